@@ -1,0 +1,72 @@
+# DeepSeek-V3 GRPO on megatron-core + verl + vLLM: patch overlay.
+# `make demo` and `make test` run `make setup` first when the environment is missing.
+
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.dsv3-setup-done
+PATCH  := $(PY) -m dsv3_rl.patching
+export TORCHDYNAMO_DISABLE ?= 1
+export PYTHONUNBUFFERED := 1
+
+.PHONY: help setup setup-gpu backends apply-patches check-patches revert-patches patch-status \
+        patches-table lint-patches test test-backends test-gpu demo bench clean-backends
+
+help:
+	@echo "make setup          .venv + torch + patched backends (editable) + deps + this package"
+	@echo "make demo           GRPO on the embedded tiny DeepSeek-V3 and the shipped MATH sample (CPU ok)"
+	@echo "make test           CPU test suite (the README's test command)"
+	@echo "make test-backends  verl's own *_on_cpu tests against the patched tree"
+	@echo "make test-gpu       GPU suite (tests/gpu), needs CUDA"
+	@echo "make backends | apply-patches | check-patches | revert-patches | patch-status | patches-table"
+
+$(STAMP): scripts/setup.sh scripts/requirements-cpu.txt pyproject.toml backends.lock
+	bash scripts/setup.sh
+	@touch $@
+
+setup:
+	bash scripts/setup.sh
+	@touch $(STAMP)
+
+setup-gpu:
+	SETUP_EXTRAS=gpu bash scripts/setup.sh
+	@touch $(STAMP)
+
+# The patch tool itself needs only the standard library (and git): it runs before the venv exists.
+PATCH_PY := $(if $(wildcard $(PY)),$(PY),python3) -m dsv3_rl.patching
+
+backends:
+	$(PATCH_PY) fetch
+
+apply-patches: backends
+	$(PATCH_PY) apply
+
+check-patches: backends
+	$(PATCH_PY) check
+
+revert-patches:
+	$(PATCH_PY) revert
+
+patch-status:
+	$(PATCH_PY) status
+
+patches-table:
+	$(PATCH_PY) table
+
+lint-patches:
+	$(PATCH_PY) lint
+	$(PATCH_PY) table --check
+
+test: $(STAMP)
+	$(PY) -m pytest tests/unit -q
+
+test-backends: $(STAMP)
+	bash scripts/test_backends.sh
+
+test-gpu: $(STAMP)
+	$(PY) -m pytest tests/gpu -q -m gpu
+
+demo: $(STAMP)
+	bash examples/deepseek_v3/demo.sh
+
+clean-backends:
+	rm -rf backends/megatron-core-* backends/verl-*

@@ -1,0 +1,195 @@
+"""Pinned upstream backends: read ``backends.lock``, fetch sdists by hash, unpack with a pristine baseline.
+
+``backends.lock`` (TOML) has one table per backend::
+
+    [megatron-core]
+    version = "0.16.1"
+    sdist = "megatron_core-0.16.1.tar.gz"
+    sha256 = "..."
+    url = "https://files.pythonhosted.org/..."      # optional direct link
+    git_url = "..."; git_tag = "..."; git_commit = "..."
+
+``fetch`` downloads the sdist (direct URL first, ``pip download --no-deps --no-binary :all:``
+as the fallback), verifies the sha256 (:class:`HashMismatchError` names the file and both
+hashes), unpacks it into ``backends/<name>-<version>/`` and commits the pristine tree into a
+git repository inside that folder, so that patch application, revert and refresh are exact.
+Re-running is a no-op once the baseline exists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import tomllib
+import urllib.request
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+BASELINE_TAG = "pristine"
+# Build outputs an editable install leaves in a backend tree; kept out of `git status`.
+_BACKEND_EXCLUDES = ["build/", "*.egg-info/", "__pycache__/", "*.so", "*.pyc", ".pytest_cache/", "*.orig", "*.rej"]
+
+
+class BackendError(RuntimeError):
+    """A backend could not be fetched, verified or unpacked."""
+
+
+class HashMismatchError(BackendError):
+    def __init__(self, path: Path, expected: str, actual: str):
+        super().__init__(
+            f"sha256 mismatch for {path.name}: backends.lock pins {expected}, the file has {actual}. "
+            f"Delete {path} and run `make backends` again; if upstream re-released the file, "
+            f"update backends.lock deliberately."
+        )
+        self.path, self.expected, self.actual = path, expected, actual
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    name: str
+    version: str
+    sdist: str
+    sha256: str
+    url: str = ""
+    git_url: str = ""
+    git_tag: str = ""
+    git_commit: str = ""
+
+    @property
+    def dirname(self) -> str:
+        return f"{self.name}-{self.version}"
+
+    def path(self, root: Path = REPO_ROOT) -> Path:
+        return root / "backends" / self.dirname
+
+    def patch_dir(self, root: Path = REPO_ROOT) -> Path:
+        return root / "patches" / self.name / self.version
+
+
+_LOCK_KEYS = {f.name for f in dataclasses.fields(Backend)} - {"name"}
+_REQUIRED_KEYS = {"version", "sdist", "sha256"}
+
+
+def load_lock(path: Path | None = None) -> dict[str, Backend]:
+    """Parse ``backends.lock``; unknown or missing keys are errors naming the table and key."""
+    path = path or REPO_ROOT / "backends.lock"
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise BackendError(f"{path} not found") from None
+    except tomllib.TOMLDecodeError as e:
+        raise BackendError(f"{path}: not valid TOML: {e}") from None
+    backends = {}
+    for name, table in data.items():
+        if not isinstance(table, dict):
+            raise BackendError(f"{path}: top-level key {name!r} must be a table [{name}]")
+        unknown = set(table) - _LOCK_KEYS
+        if unknown:
+            raise BackendError(f"{path}: [{name}] has unknown key(s) {sorted(unknown)}; allowed: {sorted(_LOCK_KEYS)}")
+        missing = _REQUIRED_KEYS - set(table)
+        if missing:
+            raise BackendError(f"{path}: [{name}] is missing {sorted(missing)}")
+        backends[name] = Backend(name=name, **{k: str(v) for k, v in table.items()})
+    return backends
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def verify(path: Path, expected: str) -> None:
+    actual = sha256_file(path)
+    if actual != expected:
+        raise HashMismatchError(path, expected, actual)
+
+
+def _download(backend: Backend, dest_dir: Path) -> Path:
+    target = dest_dir / backend.sdist
+    if backend.url:
+        tmp = target.with_name(target.name + ".part")
+        try:
+            with urllib.request.urlopen(backend.url, timeout=60) as r, open(tmp, "wb") as f:
+                shutil.copyfileobj(r, f)
+            os.replace(tmp, target)
+            return target
+        except OSError as e:  # fall back to pip, which knows mirrors and proxies
+            tmp.unlink(missing_ok=True)
+            print(f"[backends] direct download of {backend.sdist} failed ({e}); trying pip download", file=sys.stderr)
+    with tempfile.TemporaryDirectory(dir=dest_dir) as td:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+               "-d", td, f"{backend.name}=={backend.version}"]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        got = Path(td) / backend.sdist
+        if r.returncode != 0 or not got.exists():
+            raise BackendError(f"could not download {backend.sdist}: {' '.join(cmd)} said:\n{r.stdout[-2000:]}{r.stderr[-2000:]}")
+        os.replace(got, target)
+    return target
+
+
+def git(repo: Path, *args: str, check: bool = True, input: str | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, "GIT_AUTHOR_NAME": "dsv3-rl", "GIT_AUTHOR_EMAIL": "dsv3-rl@localhost",
+                "GIT_COMMITTER_NAME": "dsv3-rl", "GIT_COMMITTER_EMAIL": "dsv3-rl@localhost",
+                "GIT_CONFIG_NOSYSTEM": "1", **(env or {})}
+    r = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, input=input, env=full_env)
+    if check and r.returncode != 0:
+        raise BackendError(f"git {' '.join(args)} in {repo} failed:\n{r.stderr.strip()}")
+    return r
+
+
+def has_baseline(path: Path) -> bool:
+    return (path / ".git").is_dir() and git(path, "rev-parse", "-q", "--verify", f"refs/tags/{BASELINE_TAG}", check=False).returncode == 0
+
+
+def _safe_extract(tar: tarfile.TarFile, dest: Path) -> None:
+    tar.extractall(dest, filter="data")
+
+
+def fetch(backend: Backend, root: Path = REPO_ROOT, cache_dir: Path | None = None, quiet: bool = False) -> Path:
+    """Make ``backends/<name>-<version>/`` exist with a pristine baseline. Idempotent."""
+    dest = backend.path(root)
+    say = (lambda *a: None) if quiet else (lambda *a: print("[backends]", *a))
+    if has_baseline(dest):
+        say(f"{backend.dirname}: present (baseline {BASELINE_TAG})")
+        return dest
+    if dest.exists():
+        raise BackendError(
+            f"{dest} exists but has no pristine baseline (an interrupted unpack?). Remove it and run `make backends`.")
+    cache_dir = cache_dir or root / "backends" / ".cache"
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    sdist = cache_dir / backend.sdist
+    if not sdist.exists():
+        say(f"downloading {backend.sdist}")
+        sdist = _download(backend, cache_dir)
+    verify(sdist, backend.sha256)
+    say(f"{backend.sdist}: sha256 ok")
+
+    # Unpack into a temporary sibling, commit the baseline, then rename: never a half tree.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{backend.dirname}.", dir=dest.parent))
+    try:
+        with tarfile.open(sdist) as tar:
+            _safe_extract(tar, tmp)
+        tops = [p for p in tmp.iterdir()]
+        if len(tops) != 1 or not tops[0].is_dir():
+            raise BackendError(f"{backend.sdist}: expected one top-level folder, found {[p.name for p in tops]}")
+        tree = tops[0]
+        git(tree, "init", "-q")
+        (tree / ".git" / "info").mkdir(parents=True, exist_ok=True)
+        (tree / ".git" / "info" / "exclude").write_text("\n".join(_BACKEND_EXCLUDES) + "\n")
+        git(tree, "add", "-A", ".")
+        git(tree, "commit", "-q", "--no-verify", "-m", f"pristine {backend.name} {backend.version} ({backend.sdist}, sha256 {backend.sha256})")
+        git(tree, "tag", BASELINE_TAG)
+        os.replace(tree, dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    say(f"{backend.dirname}: unpacked to {dest.relative_to(root)} with baseline {BASELINE_TAG}")
+    return dest
