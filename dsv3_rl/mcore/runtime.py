@@ -1,0 +1,178 @@
+"""Distributed runtime and DeepSeek-V3 model construction on megatron-core.
+
+Works on GPUs (NCCL) and on CPUs (gloo, with the project's megatron-core CPU patches), so the
+same code runs the CPU correctness suite in CI and the GPU suite on real machines.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.distributed as dist
+
+from dsv3_rl.convert.config_map import Parallel, RouterSettings, gpt_model_kwargs, hf_to_mcore_config
+
+
+def device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def init_distributed(parallel: Parallel, seed: int = 1234, timeout_s: int = 600) -> None:
+    """Initialise torch.distributed from the usual env (RANK/WORLD_SIZE/MASTER_*; single process
+    when unset) and megatron's model-parallel groups for ``parallel``."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % max(1, torch.cuda.device_count()))))
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+    model_parallel = parallel.tp * parallel.pp * parallel.cp
+    if world % model_parallel:
+        raise ValueError(f"world size {world} is not divisible by TP*PP*CP = {parallel.tp}*{parallel.pp}*{parallel.cp}")
+    expert_parallel = parallel.ep * parallel.etp * parallel.pp
+    if world % expert_parallel:
+        raise ValueError(f"world size {world} is not divisible by EP*ETP*PP = {parallel.ep}*{parallel.etp}*{parallel.pp}")
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=parallel.tp,
+        pipeline_model_parallel_size=parallel.pp,
+        virtual_pipeline_model_parallel_size=parallel.vpp,
+        context_parallel_size=parallel.cp,
+        expert_model_parallel_size=parallel.ep,
+        expert_tensor_parallel_size=parallel.etp,
+    )
+    model_parallel_cuda_manual_seed(seed)
+
+
+def destroy() -> None:
+    from megatron.core import parallel_state as ps
+
+    ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def have_te() -> bool:
+    try:
+        from megatron.core.extensions.transformer_engine import HAVE_TE
+
+        return bool(HAVE_TE)
+    except ImportError:
+        return False
+
+
+def build_model(hf_config: Any, parallel: Parallel = Parallel(), dtype: torch.dtype = torch.float32,
+                router: RouterSettings = RouterSettings(), use_te: bool | None = None,
+                config_overrides: dict | None = None) -> list[torch.nn.Module]:
+    """GPTModel chunk(s) of this rank for an HF DeepSeek-V3 config (one per virtual pipeline stage).
+
+    Uses megatron-core's TE spec where Transformer Engine is installed, else its local spec.
+    Initialisation happens on CPU (``use_cpu_initialization``) so it is identical for every layout;
+    the model is then moved to the device.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    use_te = have_te() if use_te is None else use_te
+    overrides = {"use_cpu_initialization": True, **(config_overrides or {})}
+    config = hf_to_mcore_config(hf_config, parallel, router, dtype, **overrides)
+    vpp = parallel.vpp or 1
+    chunks = []
+    for vp_stage in range(vpp):
+        stage = vp_stage if parallel.vpp else None
+        pre = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage)
+        post = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage)
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm", vp_stage=stage)
+        model = GPTModel(config, spec, pre_process=pre, post_process=post, vp_stage=stage, **gpt_model_kwargs(hf_config))
+        chunks.append(model.to(device()))
+    return chunks
+
+
+def wrap_ddp(chunks: list[torch.nn.Module], use_distributed_optimizer: bool = False) -> list[torch.nn.Module]:
+    """megatron DistributedDataParallel around each chunk (fp32 grads in ``param.main_grad``)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                               use_distributed_optimizer=use_distributed_optimizer)
+    return [DistributedDataParallel(c.config, ddp_config, c, disable_bucketing=i > 0) for i, c in enumerate(chunks)]
+
+
+def unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    while hasattr(module, "module"):
+        module = module.module
+    return module
+
+
+def forward_backward(chunks: list[torch.nn.Module], batches: Iterable[dict], num_microbatches: int, seq_length: int,
+                     micro_batch_size: int, forward_only: bool = False,
+                     loss_fn: Callable | None = None) -> list[dict]:
+    """One step through megatron's own pipeline schedule, then ``finalize_model_grads``.
+
+    Each batch: ``tokens`` [b, s], ``position_ids`` [b, s], ``labels`` [b, s], ``loss_mask`` [b, s].
+    The loss is the token-mean cross entropy over each micro-batch, averaged over micro-batches
+    (and data-parallel ranks by DDP), i.e. what HF's ``loss`` is for the same tokens.
+    """
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    it = iter(batches)
+
+    def loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
+        losses = output.float()
+        mask = loss_mask.view(-1).float()
+        loss = torch.sum(losses.view(-1) * mask) / mask.sum()
+        return loss, {"loss": loss.detach().clone()}  # the schedule divides `loss` in place
+
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        dev = device()
+        out = model(batch["tokens"].to(dev), batch["position_ids"].to(dev), attention_mask=None,
+                    labels=batch["labels"].to(dev))
+        return out, lambda o: (loss_fn or loss_func)(batch["loss_mask"].to(dev), o)
+
+    for c in chunks:
+        if hasattr(c, "zero_grad_buffer"):
+            c.zero_grad_buffer()
+    fb = get_forward_backward_func()
+    data_iterator = [it] * len(chunks) if len(chunks) > 1 else it
+    result = fb(forward_step_func=forward_step, data_iterator=data_iterator,
+                model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=num_microbatches,
+                seq_length=seq_length, micro_batch_size=micro_batch_size, forward_only=forward_only)
+    if not forward_only:
+        finalize_model_grads(chunks)
+    return result
+
+
+@contextlib.contextmanager
+def grads_as_data(chunks: list[torch.nn.Module]):
+    """Temporarily point every parameter's ``.data`` at its ``main_grad`` (or ``.grad``), so that
+    megatron's sharded state dict + dist_checkpointing save the *gradients* with the same sharding
+    metadata as the weights (used to reassemble full gradients from any layout)."""
+    saved = []
+    for c in chunks:
+        for p in c.parameters():
+            g = getattr(p, "main_grad", None)
+            if g is None:
+                g = p.grad
+            if g is None:
+                g = torch.zeros_like(p.data)
+            saved.append((p, p.data))
+            p.data = g.view_as(p.data).to(p.data.dtype) if g.dtype != p.data.dtype else g.view_as(p.data)
+    try:
+        yield
+    finally:
+        for p, d in saved:
+            p.data = d
