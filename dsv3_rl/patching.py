@@ -176,7 +176,8 @@ def lint(backend: Backend, root: Path = REPO_ROOT, headers: bool = True) -> list
             tf = root / fpath
             if not tf.is_file():
                 errors.append(f"{p.path}: Verified-By names {fpath}, which does not exist")
-            elif test and not re.search(rf"\b{re.escape(test.split('::')[-1].split('[')[0])}\b", tf.read_text()):
+            elif test and not re.search(rf"^\s*(async\s+)?(def|class)\s+{re.escape(test.split('::')[-1].split('[')[0])}\b",
+                                        tf.read_text(), re.M):
                 errors.append(f"{p.path}: Verified-By names {ref}, but {fpath} has no {test}")
     if errors:
         raise PatchError("patch series problems:\n  " + "\n  ".join(errors))
