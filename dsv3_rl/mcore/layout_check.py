@@ -86,8 +86,6 @@ def step(hf_config, parallel: Parallel, weights: Path, out: Path, num_microbatch
     result = runtime.forward_backward(chunks, batches, num_microbatches, seq_length, micro_batch_size)
     with runtime.grads_as_data(chunks):
         save([runtime.unwrap(c) for c in chunks], out / "grads")
-    if torch.distributed.get_rank() == 0:
-        pass
     from megatron.core import parallel_state as ps
 
     if ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0:
@@ -104,15 +102,23 @@ def load_full(hf_config, path: Path, dtype: torch.dtype = torch.float32) -> dict
 
     single = Parallel()
     own_init = not torch.distributed.is_initialized()
-    if own_init:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    runtime.init_distributed(single)
-    chunks = runtime.build_model(hf_config, single, dtype=dtype)
-    sd = dist_checkpointing.load(sharded_state_dict(chunks), str(path))
-    out = {k: v.detach().clone() for k, v in sd.items() if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
-    if own_init:
-        runtime.destroy()
-    return out
+    saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    try:
+        if own_init:
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        runtime.init_distributed(single)
+        chunks = runtime.build_model(hf_config, single, dtype=dtype)
+        sd = dist_checkpointing.load(sharded_state_dict(chunks), str(path))
+        return {k: v.detach().clone() for k, v in sd.items()
+                if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
+    finally:
+        if own_init:
+            runtime.destroy()
+            for k, v in saved.items():  # leave no rendezvous env behind for child processes
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
 
 def main(argv: list[str] | None = None) -> int:

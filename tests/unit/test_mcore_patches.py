@@ -49,7 +49,8 @@ def _free_port() -> int:
 
 
 def _env(pythonpath: Path | None = None) -> dict:
-    env = {**os.environ, "TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": "1"}
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1")
     if pythonpath:
         env["PYTHONPATH"] = f"{pythonpath}{os.pathsep}{env.get('PYTHONPATH', '')}"
     return env
