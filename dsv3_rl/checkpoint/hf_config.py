@@ -1,0 +1,190 @@
+"""Make a HF DeepSeek-V3 config.json acceptable to Megatron (via verl) and vLLM; report each change.
+
+Fix-ups (each reported as ``key: old -> new (why)``):
+
+* ``quantization_config`` removed once the weights are BF16 (verl's converter asserts it is absent;
+  vLLM would otherwise try to load BF16 tensors as FP8).
+* ``num_nextn_predict_layers`` -> 0 unless the MTP layer is kept (verl asserts 0).
+* ``topk_method: noaux_tc`` kept/inserted where the checkpoint has ``mlp.gate.e_score_correction_bias``
+  (all DeepSeek-V3-family models do). transformers 5 does not write ``topk_method``; without it vLLM
+  creates no bias parameter and fails with ``KeyError: 'layers.1.mlp.gate.e_score_correction_bias'``.
+* ``scoring_func: sigmoid`` inserted when missing (vLLM's default is softmax: silently wrong routing).
+* ``auto_map`` removed: it points at remote code written for transformers 4.x; transformers >= 4.51
+  has DeepseekV3 built in (``--keep-auto-map`` keeps it).
+
+Configs that are not DeepSeek-V3-family (model_type deepseek_v3 / kimi_k2, architecture
+DeepseekV3ForCausalLM) are refused with the values found and the ones allowed.
+
+CLI::
+
+    python -m dsv3_rl.checkpoint.hf_config CKPT_DIR_OR_CONFIG [-o OUT] [--keep-mtp] [--check] [--dry-run]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+FAMILY_MODEL_TYPES = ("deepseek_v3", "kimi_k2")
+FAMILY_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
+# Keys Megatron's MLA/MoE config (verl's hf_to_mcore_config_dpskv3) and vLLM read without a default.
+REQUIRED_KEYS = (
+    "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size",
+    "moe_intermediate_size", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+    "n_routed_experts", "n_shared_experts", "num_experts_per_tok", "first_k_dense_replace",
+    "routed_scaling_factor", "n_group", "topk_group", "rms_norm_eps",
+)
+BIAS_SUFFIX = "mlp.gate.e_score_correction_bias"
+_REMOVED = "(removed)"
+_ABSENT = "(absent)"
+
+
+class ConfigError(ValueError):
+    """The config cannot be made acceptable; the message names the key and the allowed values."""
+
+
+@dataclass(frozen=True)
+class Change:
+    key: str
+    old: Any
+    new: Any
+    why: str
+
+    def __str__(self) -> str:
+        def fmt(v):
+            return v if v in (_REMOVED, _ABSENT) else json.dumps(v, ensure_ascii=False)
+
+        return f"{self.key}: {fmt(self.old)} -> {fmt(self.new)} ({self.why})"
+
+
+def check_family(cfg: dict, where: str = "config.json") -> None:
+    """Raise ConfigError unless CFG is a DeepSeek-V3-family config."""
+    mt = cfg.get("model_type")
+    archs = cfg.get("architectures") or []
+    if mt not in FAMILY_MODEL_TYPES and not any(a in FAMILY_ARCHITECTURES for a in archs):
+        raise ConfigError(
+            f"{where}: not a DeepSeek-V3-family config (model_type {mt!r}, architectures {archs}); "
+            f"allowed model_type: {', '.join(FAMILY_MODEL_TYPES)} or architectures {', '.join(FAMILY_ARCHITECTURES)}"
+        )
+    missing = [k for k in REQUIRED_KEYS if k not in cfg]
+    if missing:
+        raise ConfigError(f"{where}: DeepSeek-V3 config lacks required keys: {', '.join(missing)}")
+    scoring = cfg.get("scoring_func", "sigmoid")
+    if scoring != "sigmoid":
+        raise ConfigError(f"{where}: scoring_func {scoring!r} is not supported (allowed: 'sigmoid'; "
+                          f"Megatron's DeepSeek-V3 converter hard-codes sigmoid routing)")
+
+
+def fix_config(cfg: dict, *, keep_mtp: bool = False, has_score_bias: bool | None = None,
+               keep_auto_map: bool = False, where: str = "config.json") -> tuple[dict, list[Change]]:
+    """Return (fixed copy of CFG, changes). HAS_SCORE_BIAS: whether the weights carry
+    ``*.mlp.gate.e_score_correction_bias`` (None = unknown: assume yes, as for every DeepSeek-V3)."""
+    check_family(cfg, where)
+    out = json.loads(json.dumps(cfg))
+    changes: list[Change] = []
+
+    def put(key, value, why):
+        old = out.get(key, _ABSENT)
+        if old != value:
+            out[key] = value
+            changes.append(Change(key, old, value, why))
+
+    def drop(key, why):
+        if key in out:
+            changes.append(Change(key, out.pop(key), _REMOVED, why))
+
+    drop("quantization_config", "weights are BF16; verl asserts no quantization_config")
+    if not keep_mtp and out.get("num_nextn_predict_layers", 0) != 0:
+        put("num_nextn_predict_layers", 0, "MTP layer not loaded; verl asserts 0")
+    if has_score_bias is not False:
+        put("topk_method", "noaux_tc",
+            "checkpoint has e_score_correction_bias; without noaux_tc vLLM fails with "
+            "KeyError: 'layers.N.mlp.gate.e_score_correction_bias'")
+    if "scoring_func" not in out:
+        put("scoring_func", "sigmoid", "vLLM defaults to softmax routing")
+    if not keep_auto_map:
+        drop("auto_map", "remote code targets transformers 4.x; transformers has DeepseekV3 built in")
+    return out, changes
+
+
+def weight_names(ckpt_dir: Path) -> list[str] | None:
+    """Tensor names of a checkpoint dir (index or shard headers), None if it has no weights."""
+    from .safetensors_io import read_header
+
+    index = ckpt_dir / "model.safetensors.index.json"
+    if index.is_file():
+        return list(json.loads(index.read_text())["weight_map"])
+    shards = sorted(ckpt_dir.glob("*.safetensors"))
+    if not shards:
+        return None
+    return [n for s in shards for n in read_header(s).tensors]
+
+
+def write_json_atomic(path: Path, data: dict) -> None:
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def fix_checkpoint_config(path: str | os.PathLike, out: str | os.PathLike | None = None, *, keep_mtp: bool = False,
+                          keep_auto_map: bool = False, dry_run: bool = False) -> list[Change]:
+    """Fix PATH (a checkpoint dir or a config.json) in place, or write the result to OUT."""
+    path = Path(path)
+    cfg_path = path / "config.json" if path.is_dir() else path
+    if not cfg_path.is_file():
+        raise ConfigError(f"{cfg_path}: not found")
+    try:
+        cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{cfg_path}: not valid JSON ({e})") from None
+    names = weight_names(cfg_path.parent)
+    has_bias = None
+    if names is not None:
+        fp8 = [n for n in names if n.endswith("_scale_inv")]
+        if fp8:
+            raise ConfigError(
+                f"{cfg_path.parent}: weights are still FP8 ({len(fp8)} *_scale_inv tensors, e.g. {fp8[0]}); "
+                f"removing quantization_config would make them unloadable. Run the cast instead: "
+                f"python -m dsv3_rl.checkpoint.fp8 cast {cfg_path.parent} OUT_DIR"
+            )
+        has_bias = any(n.endswith(BIAS_SUFFIX) for n in names)
+    fixed, changes = fix_config(cfg, keep_mtp=keep_mtp, has_score_bias=has_bias, keep_auto_map=keep_auto_map,
+                                where=str(cfg_path))
+    if not dry_run and (changes or out is not None):
+        dst = Path(out) if out is not None else cfg_path
+        if dst.is_dir():
+            dst = dst / "config.json"
+        write_json_atomic(dst, fixed)
+    return changes
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m dsv3_rl.checkpoint.hf_config",
+                                description="Make a DeepSeek-V3 config.json acceptable to Megatron/verl and vLLM.")
+    p.add_argument("path", help="checkpoint directory or config.json (fixed in place unless -o)")
+    p.add_argument("-o", "--output", help="write the fixed config here (file or directory) instead")
+    p.add_argument("--keep-mtp", action="store_true", help="keep num_nextn_predict_layers (MTP layer kept)")
+    p.add_argument("--keep-auto-map", action="store_true", help="keep auto_map (remote code)")
+    p.add_argument("--dry-run", action="store_true", help="report the changes, write nothing")
+    p.add_argument("--check", action="store_true", help="write nothing; exit 1 if any change is needed")
+    args = p.parse_args(argv)
+    try:
+        changes = fix_checkpoint_config(args.path, args.output, keep_mtp=args.keep_mtp,
+                                        keep_auto_map=args.keep_auto_map, dry_run=args.dry_run or args.check)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for c in changes:
+        print(f"config: {c}")
+    verb = "would change" if (args.dry_run or args.check) else "changed"
+    print(f"config: {verb} {len(changes)} key(s)" if changes else "config: already acceptable, nothing to change")
+    return 1 if (args.check and changes) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
