@@ -1,0 +1,218 @@
+"""Self-consistency check of the math reward on reference solutions (``dsv3-reward-check``).
+
+For every MATH row: the reference solution must score 1 ("reference"); the same solution with
+its last boxed answer changed must score 0 ("shifted": a number + 1, anything else ``+1``
+appended; "swapped": another row's answer whose normalised form differs). Rates and every miss
+are reported; a miss names the row, the answers and the step that decided (``how``).
+
+    python -m dsv3_rl.reward.check --input DIR_OR_PARQUET [--limit N] [--json OUT] [--strict]
+
+``--input`` is a raw MATH-lighteval directory/parquet (columns problem, solution) or our RL
+parquet (``reward_model.ground_truth`` + ``extra_info.solution``). ``--strict`` exits 1 unless
+reference = 100 % and shifted = 0 %.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from decimal import Decimal, InvalidOperation
+from pathlib import Path
+
+from dsv3_rl.reward.answer import _INT, _match_braced, last_boxed_answer, normalize_answer
+
+MATH_SOURCE = "DigitalLearningGmbH/MATH-lighteval"
+
+
+def replace_last_boxed(solution: str, new_answer: str) -> str:
+    """``solution`` with the content of its last ``\\boxed{}``/``\\fbox{}`` replaced."""
+    start = max(solution.rfind("\\boxed"), solution.rfind("\\fbox"))
+    if start < 0:
+        raise ValueError("solution has no \\boxed{} / \\fbox{}")
+    open_idx = solution.find("{", start)
+    close = _match_braced(solution, open_idx, len(solution)) if open_idx >= 0 else None
+    if close is None:
+        raise ValueError("last \\boxed{} in solution is unbalanced")
+    return solution[: open_idx + 1] + new_answer + solution[close:]
+
+
+def shift_answer(answer: str) -> str:
+    """An answer that is certainly not equivalent: numbers + 1, anything else with ``+1`` appended."""
+    n = normalize_answer(answer)
+    if _INT.match(n) and len(n) < 50:
+        return str(int(n) + 1)
+    try:
+        if len(n) < 50 and n.replace(".", "", 1).lstrip("-").isdigit():
+            return str(Decimal(n) + 1)
+    except InvalidOperation:
+        pass
+    return answer + "+1"
+
+
+_FRAC_INTS = re.compile(r"^(-?)\\d?frac\{(\d+)\}\{(\d+)\}$")
+_TEXT = re.compile(r"\\(?:text|mbox)\{\s*([^{}]*?)\s*\}")
+
+
+def rewrite_answer(answer: str) -> str | None:
+    """The same answer written differently (value-preserving), or None if no rule applies.
+
+    Rules, all applied: a whole answer ``\\frac{a}{b}`` -> ``a/b`` (integer a, b); ``\\dfrac`` ->
+    ``\\frac``; ``^\\circ`` dropped; ``\\text{X}`` -> ``X``; ``\\sqrt{d}`` -> ``\\sqrt d`` (one digit);
+    a space after each comma (outside ``\\begin``, not in ``58,500``); a bare list ``a, b, c``
+    reversed; ``N\\pi`` -> ``N \\cdot \\pi``; a plain integer N -> ``N.0``; ``\\left``/``\\right`` dropped.
+    """
+    s = answer
+    s = _FRAC_INTS.sub(lambda m: f"{m.group(1)}{m.group(2)}/{m.group(3)}", s.strip())
+    s = s.replace("\\dfrac", "\\frac").replace("^\\circ", "").replace("^{\\circ}", "")
+    s = _TEXT.sub(lambda m: " " + m.group(1), s).strip()  # keep "15 cm^2" apart: "15cm^2" is 15*c*m^2
+    s = re.sub(r"\\sqrt\{(\d)\}", r"\\sqrt \1", s)  # one digit only: TeX reads "\\sqrt 51" as sqrt(5)*1
+    s = re.sub(r"\\(?:left|right)(?![a-zA-Z])", "", s)
+    if "\\begin" not in s and "," in normalize_answer(answer):  # not "58,500" (one number)
+        s = re.sub(r",\s*", ", ", s)
+        if "," in s and not re.search(r"[()\[\]{}=]", s):  # a bare list of solutions is a set
+            s = ", ".join(reversed(s.split(", ")))
+    s = re.sub(r"^(\d+)\s*\\pi$", r"\1 \\cdot \\pi", s)
+    if _INT.match(s.strip()):
+        s = s.strip() + ".0"
+    return s if s != answer else None
+
+
+@dataclass
+class Case:
+    row: str  # "split:index"
+    kind: str  # reference | shifted | swapped
+    gold: str
+    pred: str
+    expect: float
+    solution: str
+
+
+@dataclass
+class RateReport:
+    n: dict = field(default_factory=dict)
+    hits: dict = field(default_factory=dict)
+    misses: list = field(default_factory=list)
+    seconds: float = 0.0
+
+    def rate(self, kind: str) -> float:
+        return self.hits.get(kind, 0) / max(1, self.n.get(kind, 0))
+
+    def summary(self) -> str:
+        parts = []
+        for kind in ("reference", "rewritten", "shifted", "swapped"):
+            if kind in self.n:
+                # reference/rewritten expect 1, shifted/swapped expect 0
+                parts.append(f"{kind}={self.hits[kind]}/{self.n[kind]} ({100 * self.rate(kind):.1f}% as expected)")
+        total = sum(self.n.values())
+        rate = total / max(self.seconds, 1e-9)
+        return f"reward check: {', '.join(parts)}; {total} scores in {self.seconds:.1f}s ({rate:.0f}/s)"
+
+
+def build_cases(
+    rows: Sequence[tuple[str, str]], seed: int = 0, swapped: bool = True, rewrite: bool = True
+) -> list[Case]:
+    """rows: (row id, reference solution). Rows without a boxed answer are skipped."""
+    answers = [(rid, sol, last_boxed_answer(sol)) for rid, sol in rows]
+    answers = [a for a in answers if a[2] is not None]
+    rng = random.Random(seed)
+    cases: list[Case] = []
+    for rid, sol, gold in answers:
+        cases.append(Case(rid, "reference", gold, sol, 1.0, sol))
+        cases.append(Case(rid, "shifted", gold, replace_last_boxed(sol, shift_answer(gold)), 0.0, sol))
+        rewritten = rewrite_answer(gold) if rewrite else None
+        if rewritten is not None:
+            cases.append(Case(rid, "rewritten", gold, replace_last_boxed(sol, rewritten), 1.0, sol))
+        if swapped and len(answers) > 1:
+            for _ in range(20):
+                other = answers[rng.randrange(len(answers))][2]
+                if normalize_answer(other) != normalize_answer(gold):
+                    cases.append(Case(rid, "swapped", gold, replace_last_boxed(sol, other), 0.0, sol))
+                    break
+    return cases
+
+
+def run_cases(cases: Sequence[Case], score: Callable[[str, str], dict]) -> RateReport:
+    """``score(solution_str, ground_truth) -> {"score", "pred", "how"?}``."""
+    rep = RateReport()
+    t0 = time.monotonic()
+    for c in cases:
+        res = score(c.pred, c.gold)
+        rep.n[c.kind] = rep.n.get(c.kind, 0) + 1
+        ok = float(res["score"]) == c.expect
+        rep.hits[c.kind] = rep.hits.get(c.kind, 0) + int(ok)
+        if not ok:
+            rep.misses.append(
+                {
+                    "row": c.row,
+                    "kind": c.kind,
+                    "gold": c.gold,
+                    "pred": res.get("pred", ""),
+                    "score": res["score"],
+                    "how": res.get("how", ""),
+                }
+            )
+    rep.seconds = time.monotonic() - t0
+    return rep
+
+
+def load_rows(path: str | Path) -> list[tuple[str, str]]:
+    """(row id, solution) from a raw MATH dir/parquet or one of our RL parquet files."""
+    import pandas as pd
+
+    p = Path(path)
+    files = [p] if p.is_file() else sorted(p.glob("*.parquet")) + sorted(p.glob("data/*.parquet"))
+    if not files:
+        raise FileNotFoundError(f"no parquet files at {p} (looked in {p} and {p}/data)")
+    rows = []
+    for f in files:
+        df = pd.read_parquet(f)
+        split = f.name.split("-")[0].split(".")[0]
+        if "solution" in df.columns:
+            sols = df["solution"].tolist()
+        elif "extra_info" in df.columns:
+            sols = [ei.get("solution") for ei in df["extra_info"]]
+        else:
+            raise ValueError(f"{f}: neither a 'solution' column nor extra_info.solution; columns: {list(df.columns)}")
+        rows += [(f"{split}:{i}", s) for i, s in enumerate(sols) if isinstance(s, str)]
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="dsv3-reward-check", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--input", required=True, help="MATH-lighteval dir / parquet, or our RL parquet")
+    ap.add_argument("--limit", type=int, default=0, help="use the first N rows (0 = all)")
+    ap.add_argument("--seed", type=int, default=0, help="seed for the 'swapped' pairing")
+    ap.add_argument("--timeout", type=float, default=5.0, help="per-call math-verify limit, seconds")
+    ap.add_argument("--json", default=None, help="write the full report (rates + misses) here")
+    ap.add_argument("--strict", action="store_true", help="exit 1 unless reference=100%% and shifted=0%%")
+    args = ap.parse_args(argv)
+
+    from dsv3_rl.reward.math_reward import score_answer
+
+    rows = load_rows(args.input)
+    if args.limit > 0:
+        rows = rows[: args.limit]
+    cases = build_cases(rows, seed=args.seed)
+    rep = run_cases(cases, lambda s, g: score_answer(s, g, "math", timeout=args.timeout))
+    for m in rep.misses:
+        print(f"MISS {m['row']} {m['kind']}: gold={m['gold']!r} pred={m['pred']!r} score={m['score']} how={m['how']}")
+    print(rep.summary())
+    if args.json:
+        from dsv3_rl.data.common import write_text_atomic
+
+        write_text_atomic(Path(args.json), json.dumps(asdict(rep), indent=1))
+    if args.strict and (rep.rate("reference") < 1.0 or rep.rate("shifted") < 1.0):
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
