@@ -1,0 +1,486 @@
+#!/usr/bin/env python
+"""Measure the peak memory of real megatron-core training steps of a DeepSeek-V3-shaped proxy.
+
+What it runs, per config (one process, one device, TP=PP=EP=1):
+
+* a megatron-core ``GPTModel`` built from an HF DeepSeek-V3 config through
+  ``dsv3_rl.convert.config_map.hf_to_mcore_config`` and megatron's *local* layer spec
+  (``get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")``:
+  no Transformer Engine, so core attention is megatron's unfused ``DotProductAttention``);
+* wrapped in megatron's ``DistributedDataParallel`` (``grad_reduce_in_fp32=True``, verl's default)
+  with megatron's ``DistributedOptimizer`` (Adam; without apex/TE megatron falls back to
+  ``torch.optim.Adam``; fp32 main params + exp_avg + exp_avg_sq, sharded over DP=1);
+* ``--steps`` optimizer steps, each = forward+backward over ``num_microbatches`` micro-batches
+  through megatron's own schedule (``get_forward_backward_func``) with megatron's vocab-parallel
+  cross entropy (``GPTModel(labels=...)``), then ``optimizer.step()``.
+
+It reports for the *last* step (after the first step created the Adam states):
+``peak_allocated`` (CUDA: ``torch.cuda.max_memory_allocated``), ``static_allocated`` (allocated
+just before the step: weights + grad buffer + optimizer states) and the exact byte counts of
+weights, grads and optimizer states read from the tensors.
+
+On CPU (no CUDA) the same step runs, and ``peak_allocated``/``static_allocated`` are *emulated*:
+a ``TorchDispatchMode`` counts the bytes of every storage an op creates until it is freed (rounded
+to 512 B like the CUDA caching allocator's blocks). That is not a measurement of a GPU, and the
+JSON says so (``"device": "cpu-emulated"``); the planner tests accept only ``"cuda"`` rows as
+measurements.
+
+Prints one JSON line per config and a summary line; ``--out FILE`` also writes the JSON lines
+(atomically) for ``tests/assets/planner/``.
+
+    python bench/measure_train_memory.py                   # the built-in GPU set (CUDA)
+    python bench/measure_train_memory.py --set cpu-smoke   # tiny, runs on CPU in seconds
+    python bench/measure_train_memory.py --list
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import os
+import sys
+import time
+import weakref
+from pathlib import Path
+
+# --- configs ---------------------------------------------------------------------------------
+
+#: DeepSeek-V3-shaped proxy (MLA with q/kv LoRA, 1 dense layer then MoE with a shared expert,
+#: sigmoid top-k router) small enough for one GPU. Every measured row records the full dict.
+PROXY_BASE = dict(
+    model_type="deepseek_v3",
+    vocab_size=32768,
+    hidden_size=1024,
+    intermediate_size=2816,
+    moe_intermediate_size=512,
+    num_hidden_layers=4,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    n_shared_experts=1,
+    n_routed_experts=16,
+    routed_scaling_factor=2.5,
+    kv_lora_rank=128,
+    q_lora_rank=384,
+    qk_rope_head_dim=32,
+    v_head_dim=64,
+    qk_nope_head_dim=64,
+    n_group=1,
+    topk_group=1,
+    num_experts_per_tok=4,
+    first_k_dense_replace=1,
+    norm_topk_prob=True,
+    hidden_act="silu",
+    max_position_embeddings=8192,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
+    rope_interleave=True,
+    attention_bias=False,
+    attention_dropout=0.0,
+    initializer_range=0.02,
+    num_nextn_predict_layers=0,
+)
+
+
+def _cfg(name, layers, experts, seq, mbs=1, nmb=2, recompute=None, **hf):
+    model = dict(PROXY_BASE, num_hidden_layers=layers, n_routed_experts=experts, **hf)
+    return dict(name=name, hf_config=model, seq_length=seq, micro_batch_size=mbs, num_microbatches=nmb,
+                recompute=recompute or {"granularity": None})
+
+
+SEL = "selective"
+#: The set to run on one H100/H200 (about a minute in all). Varies layers, experts, sequence
+#: length, micro-batch and recompute granularity. Not "layernorm"/"moe_act": without Transformer
+#: Engine megatron-core 0.16.1's CheckpointWithoutOutput() takes its fp8 path
+#: (tensor_parallel/random.py:655 sets ``self.fp8 = fp8 is not None``, True for the default False)
+#: and fails on FP8GlobalStateManager (random.py:608).
+GPU_SET = [
+    _cfg("L4-E16-s2048-none", 4, 16, 2048),
+    _cfg("L8-E16-s2048-full", 8, 16, 2048, recompute={"granularity": "full", "method": "uniform", "num_layers": 1}),
+    _cfg("L4-E64-s4096-coreattn", 4, 64, 4096, recompute={"granularity": SEL, "modules": ["core_attn"]}),
+    _cfg("L6-E32-s1024x2-selheavy", 6, 32, 1024, mbs=2,
+         recompute={"granularity": SEL, "modules": ["core_attn", "mla_up_proj", "mlp", "shared_experts"]}),
+    _cfg("L4-E64-s2048-selmoe", 4, 64, 2048, recompute={"granularity": SEL, "modules": ["mla_up_proj", "moe"]}),
+    _cfg("L4-E16-s4096-none", 4, 16, 4096),
+    _cfg("L12-E32-s2048-full", 12, 32, 2048, nmb=4, recompute={"granularity": "full", "method": "uniform", "num_layers": 1}),
+    # DeepSeek-V3's real layer dims (hidden 7168, 128 heads, q/kv LoRA 1536/512, 2048-wide experts, vocab
+    # 129280): 1 dense + 1 MoE layer with 8 experts; ~3.2B params, ~54 GiB of weights+grads+Adam states
+    _cfg("dsv3dims-L2-E8-s1024-coreattn", 2, 8, 1024, recompute={"granularity": SEL, "modules": ["core_attn"]},
+         vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+         num_attention_heads=128, num_key_value_heads=128, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64,
+         v_head_dim=128, qk_nope_head_dim=128, num_experts_per_tok=8),
+]
+
+_TINY = dict(vocab_size=2048, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+             num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=64,
+             qk_rope_head_dim=16, v_head_dim=32, qk_nope_head_dim=32)
+#: The same kinds of configs at a size a 2-core CPU runs in seconds (emulated accounting).
+CPU_SMOKE_SET = [
+    _cfg("tiny-L3-E8-s256-none", 3, 8, 256, **_TINY),
+    _cfg("tiny-L4-E8-s256-full", 4, 8, 256, recompute={"granularity": "full", "method": "uniform", "num_layers": 1}, **_TINY),
+    _cfg("tiny-L3-E16-s512-coreattn", 3, 16, 512, recompute={"granularity": SEL, "modules": ["core_attn"]}, **_TINY),
+    _cfg("tiny-L3-E8-s128x2-selheavy", 3, 8, 128, mbs=2,
+         recompute={"granularity": SEL, "modules": ["core_attn", "mla_up_proj", "mlp", "shared_experts"]}, **_TINY),
+    _cfg("tiny-L3-E16-s256-selmoe", 3, 16, 256, recompute={"granularity": SEL, "modules": ["mla_up_proj", "moe"]}, **_TINY),
+]
+
+SETS = {"gpu": GPU_SET, "cpu-smoke": CPU_SMOKE_SET}
+
+
+# --- CPU allocation emulation ----------------------------------------------------------------
+
+def _live_bytes_mode():
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    class LiveBytes(TorchDispatchMode):
+        """Bytes of storages created by ops while active and not yet freed (512 B blocks)."""
+
+        def __init__(self):
+            super().__init__()
+            self.live = 0
+            self.peak = 0
+            self._sizes: dict[int, int] = {}
+
+        def reset_peak(self):
+            self.peak = self.live
+
+        def _track(self, t):
+            s = t.untyped_storage()
+            key = s._cdata
+            if key in self._sizes:
+                return
+            n = (s.nbytes() + 511) // 512 * 512
+            self._sizes[key] = n
+            self.live += n
+            self.peak = max(self.peak, self.live)
+            ref = weakref.ref(self)
+
+            def _free(key=key, n=n):
+                me = ref()
+                if me is not None and me._sizes.pop(key, None) is not None:
+                    me.live -= n
+
+            weakref.finalize(s, _free)
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            ins = {a.untyped_storage()._cdata for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)}
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in ins:
+                    self._track(t)
+            return out
+
+    return LiveBytes()
+
+
+# --- model construction ----------------------------------------------------------------------
+
+def _mcore_config(hf_config: dict, recompute: dict, dtype, on_cuda: bool = False):
+    """megatron MLATransformerConfig for the proxy, TP=PP=EP=1, with the requested recompute."""
+    rc = {}
+    if recompute.get("granularity"):
+        rc["recompute_granularity"] = recompute["granularity"]
+        if recompute["granularity"] == "full":
+            rc["recompute_method"] = recompute.get("method", "uniform")
+            rc["recompute_num_layers"] = recompute.get("num_layers", 1)
+        else:
+            rc["recompute_modules"] = list(recompute.get("modules", ["core_attn"]))
+    try:
+        from dsv3_rl.convert.config_map import Parallel, hf_to_mcore_config
+    except ImportError:  # pragma: no cover - only before the lead's config_map landed
+        Parallel = hf_to_mcore_config = None
+    if hf_to_mcore_config is not None:
+        return hf_to_mcore_config(hf_config, Parallel(tp=1, pp=1, ep=1, etp=1), dtype=dtype,
+                                  use_cpu_initialization=not on_cuda, **rc)
+    return _fallback_mcore_config(hf_config, dtype, rc, on_cuda)  # pragma: no cover
+
+
+def _fallback_mcore_config(hf, dtype, rc, on_cuda):  # pragma: no cover - FALLBACK, see docstring
+    """FALLBACK ONLY: a minimal HF->megatron mapping for when dsv3_rl.convert.config_map is absent.
+    The real mapping (dsv3_rl.convert.config_map) is the source of truth."""
+    import torch
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    n, k = hf["num_hidden_layers"], hf["first_k_dense_replace"]
+    return MLATransformerConfig(
+        num_layers=n, hidden_size=hf["hidden_size"], ffn_hidden_size=hf["intermediate_size"],
+        num_attention_heads=hf["num_attention_heads"], normalization="RMSNorm", gated_linear_unit=True,
+        activation_func=F.silu, add_bias_linear=False, attention_dropout=0.0, hidden_dropout=0.0,
+        multi_latent_attention=True, q_lora_rank=hf["q_lora_rank"], kv_lora_rank=hf["kv_lora_rank"],
+        qk_head_dim=hf["qk_nope_head_dim"], qk_pos_emb_head_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"],
+        qk_layernorm=True, rope_type="rope", params_dtype=dtype, bf16=dtype == torch.bfloat16,
+        num_moe_experts=hf["n_routed_experts"], moe_router_topk=hf["num_experts_per_tok"],
+        moe_ffn_hidden_size=hf["moe_intermediate_size"],
+        moe_shared_expert_intermediate_size=hf["n_shared_experts"] * hf["moe_intermediate_size"],
+        moe_layer_freq=[0] * k + [1] * (n - k), moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True, moe_router_dtype="fp32", moe_token_dispatcher_type="alltoall",
+        moe_router_load_balancing_type="none", apply_rope_fusion=False, bias_activation_fusion=False,
+        bias_dropout_fusion=False, masked_softmax_fusion=False, gradient_accumulation_fusion=False,
+        use_cpu_initialization=not on_cuda, **rc)
+
+
+def _init_single_process(on_cuda: bool):
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29600 + os.getpid() % 1000))
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if on_cuda else "gloo", rank=0, world_size=1)
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(1, 1)
+    if on_cuda:
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(1234)
+    else:
+        # CPU ONLY: megatron's dropout RNG tracker needs CUDA RNG states; the proxy has no dropout
+        # (attention_dropout = hidden_dropout = 0), so forking is a no-op here.
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
+        torch.manual_seed(1234)
+
+
+class _CpuDistOptEmulation:
+    """CPU ONLY: megatron's DistributedOptimizer allocates CUDA tensors in __init__, so on CPU this
+    mirrors its memory at DP=1: an fp32 main copy of every bf16 param, torch Adam (exp_avg,
+    exp_avg_sq in fp32) on the main copies, grads taken from the DDP fp32 ``main_grad`` buffer
+    without a copy, and the bf16 params refreshed from the main copies after the step."""
+
+    def __init__(self, model):
+        import torch
+
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.main = [p.detach().float().clone() for p in self.params]
+        self.optimizer = torch.optim.Adam(self.main, lr=1e-6)
+        self.shard_fp32_from_float16_groups = [self.main]
+
+    def zero_grad(self):
+        for m in self.main:
+            m.grad = None
+
+    def step(self):
+        import torch
+
+        for p, m in zip(self.params, self.main):
+            m.grad = p.main_grad.view_as(m)
+        torch.nn.utils.clip_grad_norm_(self.main, 1.0)
+        self.optimizer.step()
+        for p, m in zip(self.params, self.main):
+            p.data.copy_(m)
+            m.grad = None
+        return True, None, None
+
+
+def run_one(cfg: dict, steps: int, on_cuda: bool) -> dict:
+    import torch
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    dtype = torch.bfloat16
+    dev = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
+    hf = cfg["hf_config"]
+    tracker = None if on_cuda else _live_bytes_mode()
+    if on_cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    base_alloc = torch.cuda.memory_allocated() if on_cuda else 0
+
+    config = _mcore_config(hf, cfg["recompute"], dtype, on_cuda)
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+    with tracker if tracker is not None else contextlib.nullcontext():
+        model = GPTModel(config, spec, vocab_size=hf["vocab_size"], max_sequence_length=hf["max_position_embeddings"],
+                         position_embedding_type="rope", share_embeddings_and_output_weights=False).to(dev)
+        ddp = DistributedDataParallel(config, DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True), model)
+        if on_cuda:
+            opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-6, bf16=True, params_dtype=dtype,
+                                                         use_distributed_optimizer=True, clip_grad=1.0), [ddp])
+        else:
+            opt = _CpuDistOptEmulation(model)
+    n_params = sum(p.numel() for p in model.parameters())
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    grad_bytes = sum(b.grad_data.numel() * b.grad_data.element_size() for b in ddp.buffers + ddp.expert_parallel_buffers)
+
+    s, b, nmb = cfg["seq_length"], cfg["micro_batch_size"], cfg["num_microbatches"]
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, hf["vocab_size"], (b, s + 1), generator=g) for _ in range(nmb)]
+    pos = torch.arange(s, device=dev).expand(b, s).contiguous()
+
+    def forward_step(it, m):
+        tok = next(it).to(dev)
+        out = m(tok[:, :-1].contiguous(), pos, None, labels=tok[:, 1:].contiguous())
+
+        def loss_func(o):
+            loss = o.float().mean()
+            return loss, {"loss": loss.detach()}
+
+        return out, loss_func
+
+    fb = get_forward_backward_func()
+    losses, static, peak = [], 0, 0
+    t0 = time.time()
+    for step in range(steps):
+        with tracker if tracker is not None else contextlib.nullcontext():
+            if on_cuda:
+                torch.cuda.synchronize()
+                static = torch.cuda.memory_allocated() - base_alloc
+                torch.cuda.reset_peak_memory_stats()
+            else:
+                tracker.reset_peak()
+                static = tracker.live
+            ddp.zero_grad_buffer()
+            opt.zero_grad()
+            res = fb(forward_step_func=forward_step, data_iterator=iter(batches), model=ddp, num_microbatches=nmb,
+                     seq_length=s, micro_batch_size=b, forward_only=False)
+            ok, _, _ = opt.step()
+            if on_cuda:
+                torch.cuda.synchronize()
+                peak = torch.cuda.max_memory_allocated() - base_alloc
+            else:
+                peak = tracker.peak
+        losses.append(float(sum(r["loss"] for r in res) / len(res)))
+    elapsed = time.time() - t0
+    opt_bytes = 0
+    for o in getattr(opt, "chained_optimizers", [opt]):
+        for grp in o.shard_fp32_from_float16_groups if hasattr(o, "shard_fp32_from_float16_groups") else []:
+            opt_bytes += sum(t.numel() * t.element_size() for t in grp)
+        for st in o.optimizer.state.values():
+            opt_bytes += sum(v.numel() * v.element_size() for v in st.values() if torch.is_tensor(v) and v.dim() > 0)
+    row = dict(
+        name=cfg["name"], device="cuda" if on_cuda else "cpu-emulated",
+        gpu=torch.cuda.get_device_name() if on_cuda else None,
+        hf_config=hf, seq_length=s, micro_batch_size=b, num_microbatches=nmb, recompute=cfg["recompute"],
+        impl=dict(transformer_impl="local", attention="unfused", loss="megatron_ce", optimizer=("megatron DistributedOptimizer(adam, torch fallback)" if on_cuda
+                                              else "cpu emulation of DistributedOptimizer at DP=1 (fp32 main + torch Adam)"),
+                  grad_reduce_in_fp32=True, dtype="bf16", moe_grouped_gemm=False, dispatcher="alltoall"),
+        params=n_params, weight_bytes=weight_bytes, grad_bytes=grad_bytes, optimizer_bytes=opt_bytes,
+        static_allocated=int(static), peak_allocated=int(peak), losses=losses, seconds=round(elapsed, 2),
+        torch=torch.__version__,
+    )
+    del opt, ddp, model
+    if on_cuda:
+        torch.cuda.empty_cache()
+    return row
+
+
+def _add_prediction(row: dict) -> None:
+    """The planner's prediction for this row (if the planner is importable), for a quick look;
+    tests/unit/test_planner_validation.py recomputes it from the row."""
+    try:
+        from dsv3_rl.planner.validation import predict_row
+    except ImportError:  # pragma: no cover
+        return
+    try:
+        row["planner_predicted_allocated"] = int(predict_row(row))
+        if row.get("peak_allocated"):
+            row["planner_error"] = round(row["planner_predicted_allocated"] / row["peak_allocated"] - 1, 4)
+    except Exception as e:  # noqa: BLE001 - a prediction failure must not lose a measurement
+        row["planner_error"] = f"prediction failed: {e}"
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--set", choices=sorted(SETS), default=None, help="config set (default: gpu on CUDA, cpu-smoke on CPU)")
+    ap.add_argument("--only", default=None, help="comma-separated config names from the set")
+    ap.add_argument("--steps", type=int, default=2, help="optimizer steps; the last one is reported (default 2)")
+    ap.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
+    ap.add_argument("--out", type=Path, default=None, help="also write the JSON lines here (atomic)")
+    ap.add_argument("--list", action="store_true", help="list the configs of every set and exit")
+    ap.add_argument("--predict-only", action="store_true",
+                    help="run nothing: write the planner's predictions for the set with measured: null")
+    args = ap.parse_args(argv)
+
+    if args.list:
+        for name, cfgs in SETS.items():
+            for c in cfgs:
+                print(json.dumps({"set": name, "name": c["name"], "layers": c["hf_config"]["num_hidden_layers"],
+                                  "experts": c["hf_config"]["n_routed_experts"], "seq": c["seq_length"],
+                                  "mbs": c["micro_batch_size"], "num_microbatches": c["num_microbatches"],
+                                  "recompute": c["recompute"]}))
+        return 0
+    if args.predict_only:
+        rows = []
+        for c in SETS[args.set or "gpu"]:
+            if args.only and c["name"] not in args.only.split(","):
+                continue
+            row = dict(copy.deepcopy(c), device=None, measured=None, peak_allocated=None, static_allocated=None,
+                       note="planner prediction only; replace with `python bench/measure_train_memory.py --out ...` "
+                            "run on a GPU")
+            _add_prediction(row)
+            rows.append(row)
+            print(json.dumps(row))
+        if args.out:
+            _atomic_write(args.out, "".join(json.dumps(r) + "\n" for r in rows))
+        print(f"summary: {len(rows)} predictions, measured: null")
+        return 0
+    import torch
+
+    on_cuda = torch.cuda.is_available() if args.device == "auto" else args.device == "cuda"
+    if on_cuda and not torch.cuda.is_available():
+        print("error: --device cuda but torch.cuda.is_available() is False", file=sys.stderr)
+        return 2
+    cfgs = SETS[args.set or ("gpu" if on_cuda else "cpu-smoke")]
+    if args.only:
+        want = args.only.split(",")
+        unknown = sorted(set(want) - {c["name"] for c in cfgs})
+        if unknown:
+            print(f"error: --only {unknown} not in set; known: {[c['name'] for c in cfgs]}", file=sys.stderr)
+            return 2
+        cfgs = [c for c in cfgs if c["name"] in want]
+    if args.steps < 1:
+        print("error: --steps must be >= 1", file=sys.stderr)
+        return 2
+
+    _init_single_process(on_cuda)
+    rows, t0 = [], time.time()
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover
+        tqdm = lambda x, **k: x  # noqa: E731
+    for cfg in tqdm(cfgs, desc="configs", file=sys.stderr):
+        try:
+            row = run_one(copy.deepcopy(cfg), args.steps, on_cuda)
+        except torch.cuda.OutOfMemoryError as e:  # record it and go on with the next config
+            row = dict(name=cfg["name"], device="cuda", oom=True, error=str(e).splitlines()[0], hf_config=cfg["hf_config"],
+                       seq_length=cfg["seq_length"], micro_batch_size=cfg["micro_batch_size"],
+                       num_microbatches=cfg["num_microbatches"], recompute=cfg["recompute"], peak_allocated=None)
+            import gc
+
+            gc.collect()
+            torch.cuda.empty_cache()
+        _add_prediction(row)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    if args.out:
+        _atomic_write(args.out, "".join(json.dumps(r) + "\n" for r in rows))
+    gib = 2**30
+    where = rows[0]["device"] if rows else "-"
+    if rows and rows[0]["gpu"]:
+        where += f" ({rows[0]['gpu']})"
+    peaks = ", ".join("%s=%s" % (r["name"], "OOM" if r.get("oom") else "%.2fGiB" % (r["peak_allocated"] / gib)) for r in rows)
+    errs = [abs(r["planner_error"]) for r in rows if isinstance(r.get("planner_error"), float)]
+    worst = f"; planner worst error {max(errs):.1%}" if errs else ""
+    print(f"summary: {len(rows)} configs on {where}, peak {peaks}{worst}; {time.time() - t0:.1f}s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,250 @@
+"""``python -m dsv3_rl.planner`` (console script ``dsv3-plan``).
+
+    dsv3-plan plan --model 671b --gpu H100 --nodes 64 --prompts 512 --n 16 --response-len 8192 \\
+        --plot plan.png --json plan.json
+    dsv3-plan check --model 671b --gpu H20 --nodes 12 --layout tp=8,pp=12,ep=8,etp=1,last_stage_layers=6,recompute=full
+    dsv3-plan published            # verdicts on the published DeepSeek-V3 layouts
+    dsv3-plan validate             # predictions vs tests/assets/planner/measured_*.jsonl
+
+Exit status: 0 = fits / something feasible, 1 = does not fit / nothing feasible, 2 = bad input.
+Options of :class:`~dsv3_rl.planner.spec.Options` are set with ``--set key=value`` (repeatable);
+unknown keys are errors listing the allowed ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import typing
+from pathlib import Path
+
+from dsv3_rl.planner.spec import Cluster, GRPOShape, Layout, Options, RolloutLayout
+
+ASSETS = Path(__file__).resolve().parents[2] / "tests" / "assets" / "planner"
+
+
+def _convert(cls, key: str, raw: str):
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    if key not in fields:
+        raise ValueError(f"{cls.__name__}: unknown key {key!r}; allowed: {sorted(fields)}")
+    hint = typing.get_type_hints(cls)[key]
+    text = str(hint)
+    if raw.lower() in ("none", "null"):
+        return None
+    if "tuple" in text:
+        items = [x for x in raw.strip("()[]").split(":" if ":" in raw else ";") if x] if raw else []
+        inner = int if "int" in text else str
+        return tuple(inner(x) if x.lower() not in ("none", "null") else None for x in items)
+    if "bool" in text:
+        if raw.lower() in ("1", "true", "yes", "on"):
+            return True
+        if raw.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"{cls.__name__}.{key}: {raw!r} is not a boolean")
+    if "float" in text:
+        return float(raw)
+    if "int" in text:
+        return int(raw)
+    return raw
+
+
+def parse_kv(cls, items: list[str]) -> dict:
+    """``key=value`` pairs (comma-separated or repeated) for dataclass ``cls``; tuples use ':'
+    between items (``recompute_modules=core_attn:mla_up_proj``)."""
+    out = {}
+    for item in items or []:
+        for part in item.split(","):
+            if not part:
+                continue
+            if "=" not in part:
+                raise ValueError(f"expected key=value, got {part!r}")
+            k, v = part.split("=", 1)
+            out[k.strip()] = _convert(cls, k.strip(), v.strip())
+    return out
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", type=Path, help="JSON file with 'model', 'cluster', 'grpo', 'options' sections "
+                   "(command-line flags override it)")
+    p.add_argument("--model", help="preset name (671b, deepseek-v3, proxy, tiny) or HF config.json path")
+    p.add_argument("--gpu", help="GPU type (H100, H200, H20, H800, A100, B200)")
+    p.add_argument("--gpu-memory-gib", type=float)
+    p.add_argument("--gpus-per-node", type=int)
+    p.add_argument("--nodes", type=int)
+    p.add_argument("--prompts", type=int, help="prompts per step (data.train_batch_size)")
+    p.add_argument("--n", type=int, help="samples per prompt (rollout.n)")
+    p.add_argument("--prompt-len", type=int)
+    p.add_argument("--response-len", type=int)
+    p.add_argument("--mini-batch", type=int, help="ppo_mini_batch_size (prompts)")
+    p.add_argument("--micro-batch", type=int, help="ppo_micro_batch_size_per_gpu (fixed micro-batches)")
+    p.add_argument("--no-dynamic-batch", action="store_true")
+    p.add_argument("--max-tokens-per-gpu", type=int, help="ppo_max_token_len_per_gpu (dynamic batches)")
+    p.add_argument("--placement", choices=["colocated", "separate"])
+    p.add_argument("--rollout-gpus", type=int)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any Options field")
+    p.add_argument("--json", type=Path, help="write the full result as JSON (atomic)")
+
+
+def _inputs(a) -> tuple:
+    cfg = json.loads(a.config.read_text()) if a.config else {}
+    unknown = sorted(set(cfg) - {"model", "cluster", "grpo", "options"})
+    if unknown:
+        raise ValueError(f"--config {a.config}: unknown section(s) {unknown}; allowed: model, cluster, grpo, options")
+    model = a.model or cfg.get("model") or "671b"
+    cluster = dict(cfg.get("cluster", {}))
+    for k, v in (("gpu", a.gpu), ("gpu_memory_gib", a.gpu_memory_gib), ("gpus_per_node", a.gpus_per_node), ("nodes", a.nodes)):
+        if v is not None:
+            cluster[k] = v
+    grpo = dict(cfg.get("grpo", {}))
+    for k, v in (("prompts_per_step", a.prompts), ("n_samples", a.n), ("max_prompt_len", a.prompt_len),
+                 ("max_response_len", a.response_len), ("ppo_mini_batch_size", a.mini_batch),
+                 ("micro_batch_size", a.micro_batch), ("max_token_len_per_gpu", a.max_tokens_per_gpu)):
+        if v is not None:
+            grpo[k] = v
+    if a.no_dynamic_batch:
+        grpo["dynamic_batch"] = False
+    options = dict(cfg.get("options", {}))
+    if a.placement:
+        options["placement"] = a.placement
+    if a.rollout_gpus:
+        options["rollout_gpus"] = a.rollout_gpus
+    options.update(parse_kv(Options, a.set))
+    from dsv3_rl.planner.spec import from_dict
+
+    return model, from_dict(Cluster, cluster), from_dict(GRPOShape, grpo), from_dict(Options, options)
+
+
+def _write_json(path: Path, data) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=1, default=str))
+    os.replace(tmp, path)
+
+
+def cmd_plan(a) -> int:
+    from dsv3_rl.planner.search import plan
+
+    model, cluster, grpo, options = _inputs(a)
+    res = plan(model, cluster, grpo, options, progress=not a.quiet)
+    print(res.table(top=a.top, rejected=a.rejected))
+    if a.plot:
+        res.plot(a.plot, top=a.plot_top)
+        print(f"plot: {a.plot}")
+    if a.json:
+        _write_json(a.json, res.to_dict())
+        print(f"json: {a.json}")
+    best = res.best
+    print(f"summary: {len(res.feasible)} feasible / {res.evaluated} evaluated on {cluster.nodes}x{cluster.gpus_per_node} "
+          f"{cluster.gpu}; best: {best.describe() if best else 'none'}"
+          + (f" ({best.memory.total / 2**30:.1f} GiB peak)" if best else ""))
+    return 0 if res.feasible else 1
+
+
+def cmd_check(a) -> int:
+    from dsv3_rl.planner.search import evaluate
+    from dsv3_rl.planner.report import evaluation_report
+    from dsv3_rl.planner.model import load_model
+    from dsv3_rl.planner.spec import from_dict
+
+    model, cluster, grpo, options = _inputs(a)
+    lay = from_dict(Layout, parse_kv(Layout, [a.layout]))
+    ro = from_dict(RolloutLayout, parse_kv(RolloutLayout, [a.rollout])) if a.rollout else None
+    m = load_model(model)
+    ev = evaluate(m, cluster, grpo, lay, options, rollout=ro)
+    print(evaluation_report(ev, m, cluster, grpo, options))
+    if a.json:
+        _write_json(a.json, ev.to_dict())
+    print(f"summary: {'FITS' if ev.feasible else 'DOES NOT FIT'}: {ev.describe()}"
+          + (f", {ev.memory.total / 2**30:.1f} GiB peak" if ev.memory else "")
+          + ("" if ev.feasible else f"; first failed rule: {ev.violations[0]}"))
+    return 0 if ev.feasible else 1
+
+
+def cmd_published(a) -> int:
+    from dsv3_rl.planner.published import CASES, run_case
+
+    bad = 0
+    for case in CASES:
+        fits, text, obj = run_case(case)
+        ok = fits == case.expect_feasible
+        bad += not ok
+        print(f"=== {case.name}: {'feasible' if fits else 'infeasible'} (expected "
+              f"{'feasible' if case.expect_feasible else 'infeasible'}) {'OK' if ok else 'MISMATCH'}")
+        print(f"source: {case.source}")
+        if a.verbose:
+            print(text)
+        else:
+            mem = getattr(obj, "memory", None)
+            if mem is not None:
+                extra = f" (reported ~{case.reported_gb_per_gpu:.0f} GB)" if case.reported_gb_per_gpu else ""
+                print(f"predicted peak {mem.total / 2**30:.1f} GiB = {mem.total / 1e9:.1f} GB per GPU{extra}")
+            else:
+                print(text.splitlines()[-1] if fits else "\n".join(x for x in text.splitlines() if "lower bound" in x))
+    print(f"summary: {len(CASES) - bad}/{len(CASES)} published cases judged as expected")
+    return 1 if bad else 0
+
+
+def cmd_validate(a) -> int:
+    from dsv3_rl.planner.validation import load_measurements, predict_row
+
+    paths = a.measured or sorted(ASSETS.glob("measured_*.jsonl"))
+    if not paths:
+        print(f"no measurement files under {ASSETS}", file=sys.stderr)
+        return 2
+    worst, n = 0.0, 0
+    for p in paths:
+        for row in load_measurements(p):
+            pred = predict_row(row)
+            meas = row.get("peak_allocated")
+            if row.get("device") != "cuda" or not meas:
+                note = "none" if not meas else (f"{meas / 2**20:.1f} MiB on {row.get('device')}, error {pred / meas - 1:+.1%}"
+                                                " (not a GPU measurement)")
+                print(f"{row['name']:30s} predicted {pred / 2**20:9.1f} MiB  measured: {note}")
+                continue
+            err = pred / meas - 1
+            worst = max(worst, abs(err))
+            n += 1
+            print(f"{row['name']:30s} predicted {pred / 2**30:7.2f} GiB  measured {meas / 2**30:7.2f} GiB  error {err:+.1%}")
+    if not n:
+        print("summary: no GPU measurements (device 'cuda') yet; nothing validated", file=sys.stderr)
+        return 1
+    print(f"summary: {n} GPU measurements, worst error {worst:.1%} (target 15%)")
+    return 0 if worst <= 0.15 else 1
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="dsv3-plan", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("plan", help="rank every feasible layout; explain every rejected one")
+    _common(p)
+    p.add_argument("--top", type=int, default=10)
+    p.add_argument("--rejected", type=int, default=10, help="rejected layouts to list (all are in --json)")
+    p.add_argument("--plot", type=Path, help="PNG of the memory breakdown of the top layouts")
+    p.add_argument("--plot-top", type=int, default=5)
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_plan)
+    p = sub.add_parser("check", help="does one layout fit?")
+    _common(p)
+    p.add_argument("--layout", required=True, help="Layout fields, e.g. tp=8,pp=12,ep=8,etp=1,last_stage_layers=6,recompute=full")
+    p.add_argument("--rollout", help="RolloutLayout fields, e.g. tp=32,gpus=96,gpu_memory_utilization=0.6 (default: best)")
+    p.set_defaults(func=cmd_check)
+    p = sub.add_parser("published", help="verdicts on published DeepSeek-V3 layouts")
+    p.add_argument("-v", "--verbose", action="store_true")
+    p.set_defaults(func=cmd_published)
+    p = sub.add_parser("validate", help="predictions vs measured peak memory")
+    p.add_argument("measured", nargs="*", type=Path)
+    p.set_defaults(func=cmd_validate)
+    a = ap.parse_args(argv)
+    try:
+        return a.func(a)
+    except (ValueError, KeyError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

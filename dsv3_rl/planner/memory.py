@@ -1,0 +1,426 @@
+"""Per-GPU memory model: trainer (weights, grads, optimizer states, activations for the chosen
+recompute, logits, transient working set, communication buffers) and vLLM rollout (weights,
+KV cache capacity), for colocated or separate placement. Assumptions are listed in docs/planner.md.
+
+Activations are *bytes saved for backward per token per layer* for two implementations:
+
+* ``local``: megatron-core's local spec (the one ``bench/measure_train_memory.py`` runs; no TE).
+  Every coefficient here was read off real megatron-core 0.16.1 autograd graphs with
+  ``saved_tensors_hooks`` (``tests/unit/test_planner_activations.py`` re-checks them on CPU):
+  torch ``RMSNorm`` keeps fp32 weights, so norms save an fp32 input + output; the unfused
+  SwiGLU saves five ffn-wide tensors; unfused core attention saves fp32 softmax + bf16 probs.
+* ``transformer_engine``: the TE spec used on GPU clusters: fused norms saving bf16, fused
+  LayerNorm+Linear for the MLA up-projections and the dense fc1, fused SwiGLU (input + output),
+  flash/fused attention (q, k, v, out, lse; no S^2 term), column-parallel MLA down-projections
+  (patch 0001). Derived from reading the code, checked only through the published cases.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from dsv3_rl.planner.spec import GIB
+
+# --- parameters per GPU ------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class ParamsOnGPU:
+    dense: float = 0.0   # non-expert params (optimizer sharded over DP*CP)
+    expert: float = 0.0  # routed-expert params (optimizer sharded over expert-DP)
+
+    @property
+    def total(self) -> float:
+        return self.dense + self.expert
+
+
+def attn_params_on_gpu(m, tp: int, impl: str) -> float:
+    """MLA params of one layer on one GPU. Both specs build the q/kv down-projections
+    column-parallel in this repository (local spec upstream; TE spec with
+    patches/megatron-core/0.16.1/0001-te-spec-mla-down-proj-column-parallel.patch, where upstream TE
+    duplicates them), so everything but the norms is split by TP."""
+    a = m.attn_params()
+    replicated = a.get("q_a_layernorm", 0) + a["kv_a_layernorm"] + a["input_layernorm"]
+    return replicated + (sum(a.values()) - replicated) / tp
+
+
+def stage_params(m, split, rank: int, lay, impl: str) -> ParamsOnGPU:
+    """Params held by one PP rank (all its virtual chunks)."""
+    tp, ep, etp = lay.tp, lay.ep, lay.etp_
+    p = ParamsOnGPU()
+    for st in split.stages[rank]:
+        for i in st.decoder:
+            p.dense += attn_params_on_gpu(m, tp, impl)
+            if m.is_moe_layer(i):
+                p.dense += m.num_experts * m.hidden + 3 * m.hidden * m.shared_ffn / tp + m.hidden
+                p.expert += (m.num_experts / ep) * m.expert_params() / etp
+            else:
+                p.dense += 3 * m.hidden * m.dense_ffn / tp + m.hidden
+        if st.embedding:
+            p.dense += m.embedding_params / tp
+        if st.loss:
+            p.dense += m.hidden + (0 if m.tie_embeddings else m.embedding_params / tp)
+        if st.mtp:
+            for _ in range(st.mtp):
+                p.dense += 2 * m.hidden + 2 * m.hidden * m.hidden / tp + m.hidden + attn_params_on_gpu(m, tp, impl)
+                p.dense += m.num_experts * m.hidden + 3 * m.hidden * m.shared_ffn / tp + m.hidden
+                p.expert += (m.num_experts / ep) * m.expert_params() / etp
+            if not st.embedding and not any(s.embedding for s in split.stages[rank]):
+                p.dense += m.embedding_params / tp  # MTP needs the embedding on its stage
+    return p
+
+
+# --- activations ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class LayerAct:
+    """Bytes per token saved for backward by one layer, by part (before recompute), and what the
+    chosen recompute keeps."""
+
+    parts: dict[str, float]
+    kept: float          # saved with the chosen recompute
+    full: float          # saved without recompute (the recompute working set)
+
+
+def _layer_parts(m, moe: bool, lay, opt, seq: int) -> dict[str, float]:
+    """Saved bytes per token of the micro-batch on this GPU (before SP), by part."""
+    h, nh = m.hidden, m.num_heads
+    qr, kvr, dn, dr, dv = m.q_lora_rank or 0, m.kv_lora_rank, m.qk_nope_dim, m.qk_rope_dim, m.v_head_dim
+    t, etp = lay.tp, lay.etp_
+    sp = t if lay.sp_ else 1
+    k, E = m.topk, m.num_experts
+    copies = k * etp / sp  # routed token copies per token after dispatch (+ expert-TP all-gather)
+    d: dict[str, float] = {}
+    if opt.transformer_impl == "local":
+        d["ln_in"] = (8 * h + 4) / sp
+        d["ln_in_out"] = 2 * h / sp
+        d["q_lora"] = (10 * qr + 4) / sp if qr else 0.0
+        d["kv_lora"] = (10 * kvr + 4) / sp
+        d["rope_k"] = 8 * dr
+        d["qkv"] = 2 * nh / t * (2 * (dn + dr) + dv)
+        d["attn_out"] = 2 * nh / t * dv
+        d["core_attn_s2"] = (6 * nh / t + 1) * seq
+        d["ln_mlp"] = (8 * h + 4) / sp
+        if moe:
+            d["shared"] = 2 * h / sp + 10 * m.shared_ffn / t
+            d["router"] = (9 * E + 20 * k + 4) / sp
+            d["experts"] = copies * (2 * h + 12 * m.moe_ffn / etp + 4)
+            d["moe_act"] = 0.0
+        else:
+            d["mlp"] = 2 * h / sp + 10 * m.dense_ffn / t
+        return d
+    # transformer_engine
+    d["ln_in"] = (2 * h + 4) / sp
+    d["ln_in_out"] = 2 * h / sp
+    d["q_lora"] = (4 * qr + 4) / sp if qr else 0.0
+    d["kv_lora"] = (2 * kvr + 2 * kvr + 4) / sp
+    d["rope_k"] = 2 * dr
+    d["qkv"] = 2 * nh / t * (2 * (dn + dr) + dv)
+    d["attn_out"] = 2 * nh / t * dv + 4 * nh / t
+    d["core_attn_s2"] = 0.0
+    if moe:
+        d["ln_mlp"] = (4 * h + 4) / sp
+        d["shared"] = 6 * m.shared_ffn / t
+        d["router"] = (9 * E + 20 * k + 4) / sp
+        d["experts"] = copies * (2 * h + 4 * m.moe_ffn / etp + 4)
+        d["moe_act"] = copies * 2 * m.moe_ffn / etp
+    else:
+        d["ln_mlp"] = (4 * h + 4) / sp
+        d["mlp"] = 6 * m.dense_ffn / t
+    return d
+
+
+def _dropped(m, moe: bool, lay, opt, parts: dict[str, float]) -> float:
+    """Bytes per token the recompute choice does not keep."""
+    if lay.recompute == "none":
+        return 0.0
+    total = sum(parts.values())
+    h, sp = m.hidden, (lay.tp if lay.sp_ else 1)
+    if lay.recompute == "full":
+        return total - 2 * h / sp  # keeps the layer input
+    mods = set(lay.recompute_modules or ("core_attn",))
+    local = opt.transformer_impl == "local"
+    drop = 0.0
+    if "core_attn" in mods:
+        drop += parts["core_attn_s2"] + (0.0 if local else 4 * m.num_heads / lay.tp)
+    if "mla_up_proj" in mods and not local:
+        # TE: flash attention saves the up-projected q, k, v themselves, which the checkpoint
+        # frees; plus the fused up-proj LayerNorms' outputs. Local spec: the unfused attention
+        # saves its own reshaped copies of q, k, v, so this recompute frees nothing (measured).
+        drop += parts["qkv"] + parts["rope_k"] + (2 * (m.q_lora_rank or 0) + 2 * m.kv_lora_rank) / sp
+    if "layernorm" in mods:
+        if local:  # fp32 in + out replaced by the bf16 checkpoint input
+            drop += 2 * ((8 * h + 4) - 2 * h) / sp
+        else:
+            drop += 2 * h / sp + (2 * h / sp if moe else 0.0)
+    if moe and "moe" in mods:
+        drop += parts["shared"] + parts["router"] + parts["experts"] + parts["moe_act"]
+    else:
+        if moe and "moe_act" in mods:
+            drop += parts["moe_act"]
+        if moe and "shared_experts" in mods:
+            drop += parts["shared"]
+        if not moe and "mlp" in mods:
+            drop += parts["mlp"] - (0.0 if local else 0.0)
+    return min(drop, total)
+
+
+@functools.lru_cache(maxsize=4096)
+def layer_activation(m, moe: bool, lay, opt, seq: int) -> LayerAct:
+    parts = _layer_parts(m, moe, lay, opt, seq)
+    full = sum(parts.values())
+    return LayerAct(parts=parts, kept=full - _dropped(m, moe, lay, opt, parts), full=full)
+
+
+def logits_bytes_per_token(m, lay, opt) -> tuple[float, float]:
+    """(saved, transient) bytes per token for the output layer + loss on the last stage.
+    megatron's vocab-parallel cross entropy (verl's log-prob path calls the same function,
+    verl/utils/megatron/tensor_parallel.py:201-205) upcasts the logits to fp32 once and computes
+    exp() in place, saving that fp32 buffer (cross_entropy.py); the bf16 logits are alive next to
+    it until the loss returns (and their bf16 gradient in the backward)."""
+    v = m.vocab / lay.tp
+    sp = lay.tp if lay.sp_ else 1
+    h = m.hidden
+    # final norm (local: fp32 in + out; TE: bf16 in) + the output layer's bf16 input
+    final_norm = ((8 * h + 4) if opt.transformer_impl == "local" else (2 * h + 4)) / sp + 2 * h / sp
+    if opt.loss == "fused":
+        return final_norm, 0.0
+    return 4 * v + final_norm, 2 * v
+
+
+# --- training memory per GPU ------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class MemoryBreakdown:
+    """Bytes on one GPU at the trainer's peak (the worst PP rank)."""
+
+    weights: float = 0.0
+    grads: float = 0.0
+    optimizer: float = 0.0
+    activations: float = 0.0
+    logits: float = 0.0
+    transient: float = 0.0
+    comm_buffers: float = 0.0
+    ref_weights: float = 0.0
+    reserve: float = 0.0
+    pp_rank: int = 0
+    detail: dict = dataclasses.field(default_factory=dict)
+
+    FIELDS = ("weights", "grads", "optimizer", "activations", "logits", "transient", "comm_buffers", "ref_weights",
+              "reserve")
+
+    @property
+    def allocated(self) -> float:
+        """What ``torch.cuda.max_memory_allocated`` would show (everything but the reserve)."""
+        return self.total - self.reserve
+
+    @property
+    def total(self) -> float:
+        return sum(getattr(self, f) for f in self.FIELDS)
+
+    def gib(self) -> dict[str, float]:
+        d = {f: round(getattr(self, f) / GIB, 2) for f in self.FIELDS}
+        d["total"] = round(self.total / GIB, 2)
+        return d
+
+
+def optimizer_bytes_per_param(opt) -> float:
+    """fp32 main param + Adam m + v (precision-aware optimizer may store m, v in bf16)."""
+    mv = 2 + 2 if (opt.precision_aware_optimizer and opt.exp_avg_dtype == "bf16") else 4 + 4
+    return 4 + mv
+
+
+def grad_bytes_per_param(opt) -> float:
+    """megatron's grad buffer: fp32 when grad_reduce_in_fp32 (verl's default), bf16 when the
+    precision-aware optimizer keeps bf16 main grads."""
+    if opt.precision_aware_optimizer and opt.main_grads_dtype == "bf16":
+        return 2.0
+    return 4.0 if opt.grad_reduce_in_fp32 else 2.0
+
+
+def train_memory(m, split, lay, grpo, opt, world: int, n_micro: int) -> tuple[MemoryBreakdown, list[MemoryBreakdown]]:
+    """Peak trainer memory per PP rank; returns (worst rank, all ranks)."""
+    dp_cp = max(1, lay.dp(world) * lay.cp)
+    edp = max(1, lay.edp(world))
+    w_bytes = 2.0
+    g_bytes = grad_bytes_per_param(opt)
+    o_bytes = optimizer_bytes_per_param(opt) * (1 - opt.optimizer_cpu_offload_fraction)
+    tokens = grpo.tokens_per_micro_batch / lay.cp  # tokens of one micro-batch on this GPU
+    seq = grpo.seq_len if opt.transformer_impl == "local" else 0
+    ref_offload = opt.param_offload if opt.ref_param_offload is None else opt.ref_param_offload
+    out = []
+    for r in range(split.pp):
+        p = stage_params(m, split, r, lay, opt.transformer_impl)
+        mb = MemoryBreakdown(pp_rank=r)
+        mb.weights = p.total * w_bytes
+        mb.grads = p.total * g_bytes
+        if opt.distributed_optimizer:
+            mb.optimizer = (p.dense / dp_cp + p.expert / edp) * o_bytes
+        else:
+            mb.optimizer = p.total * o_bytes
+        if opt.ref_model and not ref_offload:
+            mb.ref_weights = p.total * w_bytes
+        # activations of the in-flight model chunks
+        chunk_kept, chunk_full, has_loss = [], [], False
+        biggest_layer_full, biggest_layer_extra = 0.0, 0.0
+        for st in split.stages[r]:
+            kept = 0.0
+            full = 0.0
+            n_layers = len(st.decoder) + st.mtp
+            for idx in list(st.decoder) + [m.num_layers] * st.mtp:  # MTP is a MoE layer
+                la = layer_activation(m, m.is_moe_layer(idx), lay, opt, seq)
+                kept += la.kept
+                full += la.full
+                biggest_layer_full = max(biggest_layer_full, la.full)
+                biggest_layer_extra = max(biggest_layer_extra, la.full - la.kept)
+            if lay.recompute == "full" and lay.recompute_method == "uniform" and lay.recompute_num_layers > 1 and n_layers:
+                groups = -(-n_layers // lay.recompute_num_layers)
+                kept = kept * groups / n_layers
+            chunk_kept.append(kept * tokens)
+            chunk_full.append(full * tokens)
+            has_loss |= st.loss
+        n_inflight = _inflight(split.pp, split.vpp, r, n_micro)
+        mb.activations = n_inflight * sum(chunk_kept) / split.vpp
+        if lay.recompute == "full":
+            # backward recomputes recompute_num_layers layers at once and holds their activations
+            biggest_layer_extra = biggest_layer_full * lay.recompute_num_layers
+        saved_logits, transient_logits = logits_bytes_per_token(m, lay, opt)
+        if has_loss:  # the loss phase: fp32 exp(logits) saved + the bf16 logits alive
+            mb.logits = (saved_logits + transient_logits) * tokens
+        # the backward of the biggest layer: its recomputed part + the gradients flowing through
+        # it. The loss phase is over by then, so only the excess over it adds to the peak.
+        layer_ws = (biggest_layer_extra + _grad_working_set(m, lay, opt, seq)) * tokens
+        mb.transient = max(0.0, layer_ws - mb.logits)
+        if opt.transformer_impl == "local":
+            # unfused DotProductAttention keeps a persistent bf16 [b*heads, s, s] matmul buffer
+            # (megatron's global memory buffer, dot_product_attention.py:195)
+            mb.transient += 2 * m.num_heads / lay.tp * seq * tokens
+        if opt.optimizer_impl == "torch":
+            # torch Adam(W) foreach: sqrt(exp_avg_sq) for every main param at once, after the
+            # activations are gone; only its excess over the fwd/bwd peak matters
+            step_ws = 4 * ((p.dense / dp_cp + p.expert / edp) if opt.distributed_optimizer else p.total)
+            step_ws *= 1 - opt.optimizer_cpu_offload_fraction
+            mb.transient += max(0.0, step_ws - (mb.activations + mb.logits + mb.transient))
+        mb.comm_buffers = _comm_buffer_bytes(m, lay, opt, tokens)
+        mb.reserve = opt.reserve_gib * GIB
+        mb.detail = dict(params=p.total, dense_params=p.dense, expert_params=p.expert, inflight_chunks=n_inflight,
+                         layers=split.rank_layers(r), tokens_per_microbatch=tokens)
+        out.append(mb)
+    worst = max(out, key=lambda x: x.total)
+    return worst, out
+
+
+def _inflight(pp: int, vpp: int, rank: int, m: int) -> int:
+    from dsv3_rl.planner.pipeline import inflight_chunks
+
+    if pp == 1:
+        return vpp  # one micro-batch through every chunk
+    return inflight_chunks(pp, vpp, rank, m) if vpp > 1 else min(pp - rank, m)
+
+
+def _grad_working_set(m, lay, opt, seq: int) -> float:
+    """Bytes per token alive only during a layer's backward: activation gradients of its widest
+    tensors (unfused attention: grads of the S x S scores in bf16 + fp32; MoE: routed copies)."""
+    t = lay.tp
+    sp = t if lay.sp_ else 1
+    w = 4 * m.hidden / sp  # gradient of the layer input and output
+    if opt.transformer_impl == "local":
+        w += 2 * m.num_heads / t * seq  # bf16 gradient of the S x S probabilities
+    return w
+
+
+def _comm_buffer_bytes(m, lay, opt, tokens: float) -> float:
+    """All-to-all send/receive buffers of one MoE layer (dispatch in flight): the permuted tokens
+    are already counted in the activations; this is the extra receive buffer."""
+    if not m.num_experts or lay.ep * lay.etp_ <= 1:
+        return 0.0
+    sp = lay.tp if lay.sp_ else 1
+    return 2 * m.topk * tokens / sp * m.hidden * 2
+
+
+# --- rollout memory ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class RolloutMemory:
+    """Bytes on one rollout GPU (vLLM), plus the trainer's leftovers on it when colocated."""
+
+    weights: float = 0.0
+    kv_cache: float = 0.0
+    activations: float = 0.0
+    cuda_graphs: float = 0.0
+    trainer_resident: float = 0.0
+    reserve: float = 0.0
+    budget: float = 0.0
+    kv_tokens: int = 0            # KV capacity of one engine instance, tokens
+    kv_bytes_per_token: float = 0.0
+    max_concurrent_seqs: int = 0  # per instance, at max length
+
+    def gib(self) -> dict[str, float]:
+        return {k: round(getattr(self, k) / GIB, 2) for k in
+                ("weights", "kv_cache", "activations", "cuda_graphs", "trainer_resident", "reserve", "budget")}
+
+
+def rollout_weight_params(m, ro) -> float:
+    return _rollout_weight_params(m, ro.tp, ro.ep)
+
+
+@functools.lru_cache(maxsize=256)
+def _rollout_weight_params(m, tp: int, ep: int) -> float:
+    """Params on one vLLM GPU: MLA down-projections, norms and the router replicated (vLLM
+    ReplicatedLinear), the rest split by TP; experts split by TP (intermediate dim) or, with
+    EP, whole experts split over TP*DP; DP > 1 without EP replicates everything."""
+    a = m.attn_params()
+    repl = a.get("q_a_proj", 0) + a["kv_a_proj_with_mqa"] + a.get("q_a_layernorm", 0) + a["kv_a_layernorm"] + a["input_layernorm"]
+    split = a.get("q_b_proj", 0) + a.get("q_proj", 0) + a["kv_b_proj"] + a["o_proj"]
+    per_layer_attn = repl + split / tp
+    total = m.num_layers * per_layer_attn
+    for i in range(m.num_layers):
+        if m.is_moe_layer(i):
+            total += m.num_experts * m.hidden + m.hidden + 3 * m.hidden * m.shared_ffn / tp
+            total += m.num_experts * m.expert_params() / (ep if ep > 1 else tp)
+        else:
+            total += m.hidden + 3 * m.hidden * m.dense_ffn / tp
+    total += 2 * m.embedding_params / tp + m.hidden
+    return total
+
+
+def kv_bytes_per_token(m, dtype_bytes: int = 2) -> float:
+    """vLLM's MLA cache holds the compressed latent (kv_lora_rank) + the rope key per token per
+    layer, one copy on *every* TP rank (MLA has a single latent 'head', so TP does not shard it)."""
+    return m.num_layers * (m.kv_lora_rank + m.qk_rope_dim) * dtype_bytes
+
+
+def rollout_memory(m, ro, grpo, opt, mem_bytes: float, trainer_resident: float) -> RolloutMemory:
+    rm = RolloutMemory()
+    rm.weights = rollout_weight_params(m, ro) * opt.rollout_weight_bytes
+    # vLLM's profiling run: one forward of max_num_batched_tokens; roughly hidden states, the MLA
+    # up-projected q/k/v of a chunk, and the MoE intermediate on this GPU
+    tkn = opt.rollout_max_num_batched_tokens
+    per_tok = 2 * (4 * m.hidden + m.num_heads / ro.tp * (2 * m.qk_head_dim + m.v_head_dim)
+                   + m.topk * (m.hidden + 2 * m.moe_ffn / (1 if ro.ep > 1 else ro.tp)) + 2 * m.vocab / ro.tp)
+    rm.activations = tkn * per_tok
+    rm.cuda_graphs = 0.0 if opt.rollout_enforce_eager else 1.5 * GIB
+    rm.reserve = 1.0 * GIB  # vLLM's non-torch memory (context + NCCL) inside its budget
+    rm.budget = ro.gpu_memory_utilization * mem_bytes
+    rm.trainer_resident = trainer_resident
+    rm.kv_cache = max(0.0, rm.budget - rm.weights - rm.activations - rm.cuda_graphs - rm.reserve)
+    rm.kv_bytes_per_token = kv_bytes_per_token(m)
+    rm.kv_tokens = int(rm.kv_cache // rm.kv_bytes_per_token) * (ro.dp if ro.dp > 1 else 1)
+    rm.max_concurrent_seqs = rm.kv_tokens // grpo.seq_len
+    return rm
+
+
+def trainer_resident_during_rollout(train: MemoryBreakdown, opt) -> float:
+    """What the trainer leaves on a colocated GPU while vLLM runs (verl hybrid engine)."""
+    keep = 0.0
+    if not opt.param_offload:
+        keep += train.weights + train.grads
+    if not opt.optimizer_offload:
+        keep += train.optimizer
+    keep += train.ref_weights
+    keep += opt.reserve_gib * GIB * 0.5  # the trainer process's own context + NCCL communicators
+    return keep

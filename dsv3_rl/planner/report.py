@@ -1,0 +1,190 @@
+"""Text output: the ranked table, per-layout reports, and the exact verl launcher overrides."""
+
+from __future__ import annotations
+
+import collections
+
+from dsv3_rl.planner.model import count_params
+from dsv3_rl.planner.spec import GIB
+
+A = "actor_rollout_ref"
+
+
+def _b(x: bool) -> str:
+    return "True" if x else "False"
+
+
+def overrides(ev, m, c, g, o) -> list[str]:
+    """verl 0.9.1 hydra overrides (trainer/config/ppo_megatron_trainer.yaml) for this candidate.
+    Keys absent from the yaml (override_transformer_config extras, optimizer overrides) carry the
+    ``+`` prefix hydra needs to add them."""
+    lay, ro = ev.layout, ev.rollout
+    world = ev.trainer_gpus
+    out = [f"trainer.n_gpus_per_node={c.gpus_per_node}", f"trainer.nnodes={max(1, world // c.gpus_per_node)}",
+           f"data.train_batch_size={g.prompts_per_step}", f"data.max_prompt_length={g.max_prompt_len}",
+           f"data.max_response_length={g.max_response_len}", f"{A}.rollout.n={g.n_samples}",
+           f"{A}.actor.ppo_mini_batch_size={g.mini_batch_prompts}", f"{A}.actor.ppo_epochs={g.ppo_epochs}",
+           f"{A}.actor.use_dynamic_bsz={_b(g.dynamic_batch)}"]
+    if g.dynamic_batch:
+        out.append(f"{A}.actor.ppo_max_token_len_per_gpu={g.tokens_per_micro_batch}")
+    else:
+        out.append(f"{A}.actor.ppo_micro_batch_size_per_gpu={g.micro_batch_size}")
+    for role in ("actor", "ref") if o.ref_model else ("actor",):
+        p = f"{A}.{role}.megatron"
+        out += [f"{p}.tensor_model_parallel_size={lay.tp}", f"{p}.pipeline_model_parallel_size={lay.pp}",
+                f"{p}.virtual_pipeline_model_parallel_size={lay.vpp if lay.vpp else 'null'}",
+                f"{p}.expert_model_parallel_size={lay.ep}", f"{p}.expert_tensor_parallel_size={lay.etp_}",
+                f"{p}.context_parallel_size={lay.cp}", f"{p}.sequence_parallel={_b(lay.sp_)}"]
+        ptc = f"{p}.override_transformer_config"
+        if lay.pipeline_layout:
+            out.append(f"+{ptc}.pipeline_model_parallel_layout='{lay.pipeline_layout}'")
+        if lay.first_stage_layers is not None:
+            out.append(f"+{ptc}.num_layers_in_first_pipeline_stage={lay.first_stage_layers}")
+        if lay.last_stage_layers is not None:
+            out.append(f"+{ptc}.num_layers_in_last_pipeline_stage={lay.last_stage_layers}")
+        if lay.account_for_embedding:
+            out.append(f"+{ptc}.account_for_embedding_in_pipeline_split=True")
+        if lay.account_for_loss:
+            out.append(f"+{ptc}.account_for_loss_in_pipeline_split=True")
+        if role == "actor":
+            out.append(f"{p}.param_offload={_b(o.param_offload)}")
+            out.append(f"{p}.optimizer_offload={_b(o.optimizer_offload)}")
+            out.append(f"{p}.use_distributed_optimizer={_b(o.distributed_optimizer)}")
+            if lay.recompute == "none":
+                out.append(f"{ptc}.recompute_granularity=null")
+            elif lay.recompute == "full":
+                out += [f"{ptc}.recompute_granularity=full", f"{ptc}.recompute_method={lay.recompute_method}",
+                        f"{ptc}.recompute_num_layers={lay.recompute_num_layers}"]
+            else:
+                mods = ",".join(f"'{x}'" for x in (lay.recompute_modules or ("core_attn",)))
+                out += [f"{ptc}.recompute_granularity=selective", f"{ptc}.recompute_modules=[{mods}]"]
+            if o.dispatcher != "alltoall":
+                out.append(f"+{ptc}.moe_token_dispatcher_type={o.dispatcher}")
+        else:
+            ref_off = o.param_offload if o.ref_param_offload is None else o.ref_param_offload
+            out.append(f"{p}.param_offload={_b(ref_off)}")
+    if o.optimizer_cpu_offload_fraction:
+        oo = f"+{A}.actor.optim.override_optimizer_config"
+        out += [f"{oo}.optimizer_cpu_offload=True", f"{oo}.optimizer_offload_fraction={o.optimizer_cpu_offload_fraction}",
+                f"{oo}.overlap_cpu_optimizer_d2h_h2d=True"]
+    if o.precision_aware_optimizer:
+        out += [f"{A}.actor.optim.use_precision_aware_optimizer=True", f"{A}.actor.optim.exp_avg_dtype={o.exp_avg_dtype}",
+                f"{A}.actor.optim.exp_avg_sq_dtype={o.exp_avg_dtype}", f"{A}.actor.optim.main_grads_dtype={o.main_grads_dtype}"]
+    if ro is not None:
+        r = f"{A}.rollout"
+        out += [f"{r}.name=vllm", f"{r}.tensor_model_parallel_size={ro.tp}", f"{r}.data_parallel_size={ro.dp}",
+                f"{r}.expert_parallel_size={ro.ep}", f"{r}.gpu_memory_utilization={ro.gpu_memory_utilization:.2f}"]
+        if o.rollout_enforce_eager:
+            out.append(f"{r}.enforce_eager=True")
+        if o.placement == "separate":
+            out += [f"{r}.nnodes={max(1, ro.gpus // c.gpus_per_node)}", f"{r}.n_gpus_per_node={c.gpus_per_node}"]
+    return out
+
+
+def _gib(x: float) -> str:
+    return f"{x / GIB:6.1f}"
+
+
+def evaluation_report(ev, m, c, g, o) -> str:
+    cap = c.memory_bytes
+    lines = [f"layout: {ev.describe()}", f"trainer GPUs: {ev.trainer_gpus}  DP={ev.layout.dp(ev.trainer_gpus)} "
+             f"expert-DP={ev.layout.edp(ev.trainer_gpus)}  pipeline: {ev.pipeline or '-'}",
+             f"verdict: {'FITS' if ev.feasible else 'DOES NOT FIT'}"]
+    for v in ev.violations:
+        lines.append(f"  rejected by {v}")
+    if ev.memory:
+        mb = ev.memory
+        lines.append(f"trainer peak per GPU (PP rank {mb.pp_rank}, {mb.detail['params'] / 1e9:.2f}B params on it): "
+                     f"{mb.total / GIB:.1f} GiB of {cap / GIB:.1f} GiB")
+        for f in mb.FIELDS:
+            lines.append(f"  {f:13s}{_gib(getattr(mb, f))} GiB")
+        if len(ev.stage_memory) > 1:
+            lines.append("  per PP rank: " + " ".join(f"{x.total / GIB:.1f}" for x in ev.stage_memory))
+        lines.append(f"micro-batches per mini-batch per DP rank: {ev.microbatches}; pipeline bubble {ev.bubble:.1%}")
+    if ev.comm:
+        cv = ev.comm.gib()
+        lines.append(f"per GPU per GRPO step: all-to-all {cv['a2a_per_grpo_step_gib']} GiB "
+                     f"({cv['a2a_internode_fraction']:.0%} inter-node), gradient sync {cv['grad_sync_per_grpo_step_gib']} GiB "
+                     f"over {cv['optimizer_steps']} optimizer step(s), TP {cv['tp_per_grpo_step_gib']} GiB")
+    if ev.rollout_memory:
+        rm = ev.rollout_memory
+        lines.append(f"rollout per GPU: budget {rm.budget / GIB:.1f} GiB = weights {rm.weights / GIB:.1f} + activations "
+                     f"{rm.activations / GIB:.1f} + graphs {rm.cuda_graphs / GIB:.1f} + KV {rm.kv_cache / GIB:.1f}; trainer "
+                     f"leftovers {rm.trainer_resident / GIB:.1f} GiB")
+        lines.append(f"rollout KV capacity: {rm.kv_tokens} tokens per engine ({rm.kv_bytes_per_token / 1024:.1f} KiB/token), "
+                     f"{rm.max_concurrent_seqs} sequences of {g.seq_len} at once")
+    if ev.time:
+        t = ev.time
+        ro = f"{ev.rollout_time['total']:.0f}s" if ev.rollout_time.get("total") is not None else "-"
+        lines.append(f"estimated step (ranking only): train {t['total']:.0f}s (compute {t['compute']:.0f}, all-to-all "
+                     f"{t['a2a']:.0f}, TP {t['tp']:.0f}, grad sync {t['grad_sync']:.0f}, offload {t['offload']:.0f}), "
+                     f"rollout {ro}" + (" (overlapped with training)" if t.get("overlapped") else ""))
+    for n in ev.notes:
+        lines.append(f"note: {n}")
+    if ev.overrides:
+        lines.append("overrides:")
+        lines += [f"  {x}" for x in ev.overrides]
+    return "\n".join(lines)
+
+
+def lower_bound_text(res) -> str:
+    """Why nothing can fit: the static memory if every parameter were sharded over every GPU."""
+    from dsv3_rl.planner.memory import grad_bytes_per_param, optimizer_bytes_per_param
+
+    m, c, o = res.model, res.cluster, res.options
+    n = count_params(m).total + (count_params(m).mtp if o.mtp else 0)
+    w, g = 2 * n / c.world, grad_bytes_per_param(o) * n / c.world
+    opt = optimizer_bytes_per_param(o) * (1 - o.optimizer_cpu_offload_fraction) * n / c.world
+    return (f"lower bound: even with all {n / 1e9:.0f}B params sharded over all {c.world} GPUs, one GPU holds weights "
+            f"{w / GIB:.0f} GiB + grads {g / GIB:.0f} GiB + optimizer {opt / GIB:.0f} GiB = {(w + g + opt) / GIB:.0f} GiB "
+            f"vs {c.memory_bytes / GIB:.1f} GiB; the vLLM weights alone need {2 * n / c.world / GIB:.0f} GiB per GPU")
+
+
+def plan_table(res, top: int = 10, rejected: int = 10) -> str:
+    m, c, g, o = res.model, res.cluster, res.grpo, res.options
+    pc = count_params(m)
+    cap = c.memory_bytes
+    head = [f"model {m.name}: {pc.total / 1e9:.1f}B params ({pc.activated / 1e9:.1f}B activated, MTP {pc.mtp / 1e9:.1f}B "
+            f"{'on' if o.mtp else 'off'}), cluster {c.nodes}x{c.gpus_per_node} {c.gpu} ({cap / GIB:.1f} GiB), "
+            f"GRPO {g.prompts_per_step} prompts x {g.n_samples}, seq {g.max_prompt_len}+{g.max_response_len}, "
+            f"{o.placement}",
+            f"evaluated {res.evaluated} candidates: {len(res.feasible)} feasible, {len(res.rejected)} rejected", ""]
+    cols = ("#", "layout", "rollout", "peak GiB", "wts", "grad", "optim", "act", "logit", "other", "bubble", "a2a GiB",
+            "sync GiB", "KV tok", "est s")
+    rows = []
+    for i, e in enumerate(res.feasible[:top]):
+        mb, rm = e.memory, e.rollout_memory
+        other = mb.transient + mb.comm_buffers + mb.ref_weights + mb.reserve
+        rows.append((str(i + 1) + ("!" if e.tight else ""), e.layout.short(), e.rollout.short() if e.rollout else "-", f"{mb.total / GIB:.1f}",
+                     f"{mb.weights / GIB:.1f}", f"{mb.grads / GIB:.1f}", f"{mb.optimizer / GIB:.1f}",
+                     f"{mb.activations / GIB:.1f}", f"{mb.logits / GIB:.1f}", f"{other / GIB:.1f}", f"{e.bubble:.0%}",
+                     f"{e.comm.a2a_per_grpo_step / GIB:.0f}", f"{e.comm.grad_sync_per_grpo_step / GIB:.0f}",
+                     f"{rm.kv_tokens if rm else 0}", f"{e.step_seconds:.0f}"))
+    out = head
+    if rows:
+        w = [max(len(cols[j]), *(len(r[j]) for r in rows)) for j in range(len(cols))]
+        out.append("  ".join(cols[j].ljust(w[j]) for j in range(len(cols))))
+        out += ["  ".join(r[j].ljust(w[j]) for j in range(len(cols))) for r in rows]
+    else:
+        out.append("no feasible layout")
+        out.append(lower_bound_text(res))
+    if any(e.tight for e in res.feasible[:top]):
+        out.append(f"! tight: predicted allocated memory above {o.tight_fraction:.0%} of (GPU memory - reserve); "
+                   f"the model is validated to 15%")
+    if res.feasible:
+        out += ["", "best layout:", evaluation_report(res.feasible[0], m, c, g, o)]
+    if res.rejected:
+        counts = collections.Counter(v.rule for e in res.rejected for v in e.violations[:1])
+        out += ["", "rejected (first failed rule): " + ", ".join(f"{k} x{n}" for k, n in counts.most_common())]
+        seen = set()
+        shown = 0
+        for e in sorted(res.rejected, key=lambda e: (e.violations[0].rule.startswith("mem."), e.layout.tp * e.layout.pp), reverse=True):
+            key = e.violations[0].rule
+            if key in seen and shown >= len(counts):
+                continue
+            seen.add(key)
+            out.append(f"  {e.layout.short()}: " + "; ".join(str(v) for v in e.violations[:3]))
+            shown += 1
+            if shown >= rejected:
+                break
+    return "\n".join(out)

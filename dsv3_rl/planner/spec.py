@@ -1,0 +1,355 @@
+"""Planner inputs and outputs as dataclasses (the API the launcher's ``--dry-run`` uses).
+
+Inputs: :class:`Cluster`, :class:`GRPOShape`, :class:`Options`, and a candidate :class:`Layout`
+(trainer) + :class:`RolloutLayout` (vLLM). Outputs: :class:`Evaluation` per candidate and
+:class:`PlanResult` (see :mod:`dsv3_rl.planner.search`).
+
+Unknown keys are errors: :func:`from_dict` raises naming the key and the allowed ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+GIB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class GPUType:
+    """A GPU model: memory as ``torch.cuda.get_device_properties().total_memory`` reports it,
+    dense BF16 peak, and per-GPU unidirectional bandwidth of the scale-up (NVLink) and scale-out
+    (InfiniBand/RoCE NIC) fabrics."""
+
+    name: str
+    memory_gib: float
+    bf16_tflops: float
+    nvlink_gbs: float
+    network_gbs: float
+    hbm_tbs: float = 3.35
+    pcie_gbs: float = 25.0
+
+
+#: Catalog; ``Cluster(gpu_memory_gib=...)`` overrides the memory of any entry. Bandwidths are
+#: per GPU, one direction, nominal (used only for the ranking estimate).
+GPUS: dict[str, GPUType] = {
+    "H100": GPUType("H100-SXM5-80GB", 79.1, 989.0, 450.0, 50.0, 3.35),
+    "H200": GPUType("H200-SXM-141GB", 139.8, 989.0, 450.0, 50.0, 4.8),
+    "H20": GPUType("H20-96GB", 95.0, 148.0, 450.0, 50.0, 4.0),
+    "H800": GPUType("H800-SXM5-80GB", 79.1, 989.0, 200.0, 50.0, 3.35),
+    "A100": GPUType("A100-SXM4-80GB", 79.2, 312.0, 300.0, 25.0, 2.0),
+    "B200": GPUType("B200-180GB", 178.0, 2250.0, 900.0, 50.0, 8.0),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    gpu: str = "H100"
+    """key of :data:`GPUS`"""
+    gpus_per_node: int = 8
+    nodes: int = 1
+    gpu_memory_gib: float | None = None
+    """override the catalog's usable memory per GPU"""
+
+    def __post_init__(self):
+        if self.gpu not in GPUS:
+            raise ValueError(f"cluster.gpu={self.gpu!r}; known GPU types: {sorted(GPUS)}")
+        if self.gpus_per_node < 1 or self.nodes < 1:
+            raise ValueError(f"cluster needs gpus_per_node >= 1 and nodes >= 1 (got {self.gpus_per_node}, {self.nodes})")
+
+    @property
+    def world(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+    @property
+    def gpu_type(self) -> GPUType:
+        return GPUS[self.gpu]
+
+    @property
+    def memory_bytes(self) -> float:
+        return (self.gpu_memory_gib if self.gpu_memory_gib is not None else GPUS[self.gpu].memory_gib) * GIB
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOShape:
+    """verl keys in brackets."""
+
+    prompts_per_step: int = 256
+    """[data.train_batch_size]"""
+    n_samples: int = 8
+    """[actor_rollout_ref.rollout.n]"""
+    max_prompt_len: int = 2048
+    """[data.max_prompt_length]"""
+    max_response_len: int = 8192
+    """[data.max_response_length]"""
+    ppo_mini_batch_size: int | None = None
+    """prompts per optimizer step [actor.ppo_mini_batch_size]; default = prompts_per_step"""
+    micro_batch_size: int = 1
+    """sequences per micro-batch per GPU when dynamic_batch is off [actor.ppo_micro_batch_size_per_gpu]"""
+    dynamic_batch: bool = True
+    """[actor.use_dynamic_bsz]: micro-batches packed up to max_token_len_per_gpu tokens"""
+    max_token_len_per_gpu: int | None = None
+    """[actor.ppo_max_token_len_per_gpu]; default = max_prompt_len + max_response_len"""
+    ppo_epochs: int = 1
+    mean_length_fraction: float = 0.6
+    """mean (prompt+response) length / max length, for throughput and volume estimates only
+    (memory always assumes the maximum)"""
+
+    def __post_init__(self):
+        for k in ("prompts_per_step", "n_samples", "max_prompt_len", "max_response_len", "micro_batch_size", "ppo_epochs"):
+            if getattr(self, k) < 1:
+                raise ValueError(f"grpo.{k} must be >= 1 (got {getattr(self, k)})")
+        if not 0 < self.mean_length_fraction <= 1:
+            raise ValueError(f"grpo.mean_length_fraction must be in (0, 1] (got {self.mean_length_fraction})")
+
+    @property
+    def seq_len(self) -> int:
+        return self.max_prompt_len + self.max_response_len
+
+    @property
+    def mini_batch_prompts(self) -> int:
+        return self.ppo_mini_batch_size or self.prompts_per_step
+
+    @property
+    def tokens_per_micro_batch(self) -> int:
+        """Tokens of one micro-batch on one GPU before CP splits it (the packed maximum)."""
+        if self.dynamic_batch:
+            return self.max_token_len_per_gpu or self.seq_len
+        return self.micro_batch_size * self.seq_len
+
+
+RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
+"""megatron-core 0.16.1 allowed recompute_modules (transformer/transformer_config.py:1198-1211)"""
+
+#: What ``recompute="auto"`` tries per layout, least recompute first (time factor: rough extra
+#: compute of the backward pass, used only for ranking).
+RECOMPUTE_LADDER = (
+    ("none", (), 1.0),
+    ("selective", ("core_attn",), 1.02),
+    ("selective", ("core_attn", "mla_up_proj", "layernorm", "moe_act", "mlp"), 1.10),
+    ("selective", ("core_attn", "mla_up_proj", "layernorm", "moe", "mlp"), 1.20),
+    ("full", (), 1.33),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    placement: str = "colocated"
+    """colocated (verl hybrid engine: trainer and vLLM share every GPU, the trainer is offloaded
+    while rolling out) | separate (disjoint rollout pool; verl's one-step-off / fully-async
+    trainers, ``rollout.nnodes > 0``)"""
+    rollout_gpus: int | None = None
+    """separate placement: GPUs of the rollout pool (default: searched over whole nodes)"""
+    param_offload: bool = True
+    """[actor.megatron.param_offload]: params + grad buffers leave the GPU while inactive"""
+    optimizer_offload: bool = True
+    """[actor.megatron.optimizer_offload]: optimizer states leave the GPU while inactive"""
+    optimizer_cpu_offload_fraction: float = 0.0
+    """megatron HybridDeviceOptimizer (optim.override_optimizer_config.optimizer_offload_fraction):
+    that fraction of fp32 main params + Adam states lives and steps on the CPU"""
+    ref_model: bool = True
+    """GRPO with a KL loss keeps a reference policy (forward only) on the trainer GPUs"""
+    ref_param_offload: bool | None = None
+    """[ref.megatron.param_offload]; default = param_offload"""
+    recompute: str = "auto"
+    """auto | none | selective | full"""
+    recompute_modules: tuple[str, ...] | None = None
+    """selective: megatron recompute_modules (default ("core_attn",))"""
+    recompute_num_layers: int = 1
+    recompute_method: str = "uniform"
+    distributed_optimizer: bool = True
+    dtype: str = "bf16"
+    grad_reduce_in_fp32: bool = True
+    """verl's default DDP config (verl/utils/megatron_utils.py:104)"""
+    precision_aware_optimizer: bool = False
+    exp_avg_dtype: str = "fp32"
+    """precision-aware optimizer: fp32 | bf16 for Adam m and v"""
+    main_grads_dtype: str = "fp32"
+    """precision-aware optimizer: fp32 | bf16 grad buffer (verl then turns grad_reduce_in_fp32
+    off: workers/engine/megatron/transformer_impl.py:455-460)"""
+    rollout: bool = True
+    """plan the vLLM rollout too (False: trainer only, e.g. to check a pre-training recipe)"""
+    transformer_impl: str = "transformer_engine"
+    """transformer_engine (production: TE spec, flash/fused attention, fused SwiGLU) | local
+    (megatron's local spec: unfused attention, torch norms)"""
+    moe_grouped_gemm: bool = True
+    dispatcher: str = "alltoall"
+    """alltoall | flex (DeepEP/HybridEP) | allgather"""
+    loss: str = "verl"
+    """verl (vocab-parallel log-prob, fp32) | fused (verl use_fused_kernels, chunked) | megatron_ce"""
+    mtp: bool = False
+    """keep the MTP layer in training (verl disables MTP for RL)"""
+    rollout_tp: int | None = None
+    """vLLM tensor_model_parallel_size (default: searched)"""
+    rollout_dp: int | None = None
+    """vLLM data_parallel_size (attention data parallel); default: searched"""
+    rollout_ep: bool | None = None
+    """vLLM expert parallel (verl requires expert_parallel_size == tp * dp); default: searched"""
+    rollout_max_instance_gpus: int = 64
+    """largest vLLM engine (TP * DP GPUs) searched"""
+    rollout_gpu_memory_utilization: float | None = None
+    """vLLM gpu_memory_utilization (default: the largest of 0.5..0.9 that fits)"""
+    rollout_weight_bytes: float = 2.0
+    """bytes per rollout weight (2 = bf16, 1 = fp8)"""
+    rollout_enforce_eager: bool = False
+    rollout_max_num_batched_tokens: int = 8192
+    reserve_gib: float = 5.0
+    """per GPU memory not visible to torch's allocator statistics: CUDA context, NCCL
+    communicators and buffers, allocator fragmentation"""
+    max_tp: int | None = None
+    """largest trainer TP searched (default: GPUs per node, TP stays on NVLink)"""
+    max_pp: int = 64
+    tp_choices: tuple[int, ...] | None = None
+    pp_choices: tuple[int, ...] | None = None
+    ep_choices: tuple[int, ...] | None = None
+    cp_choices: tuple[int, ...] = (1,)
+    vpp_choices: tuple[int | None, ...] = (None, 2, 4)
+    etp_choices: tuple[int, ...] = (1,)
+    mfu: float = 0.35
+    """assumed model-FLOPs utilisation for the (ranking-only) step time estimate"""
+    optimizer_impl: str = "fused"
+    """fused (TE FusedAdam / apex: no step-time temporaries) | torch (megatron's fallback
+    torch.optim Adam(W), foreach on CUDA: one fp32 temporary per main param during step())"""
+    top_k: int = 10
+    """rows of the ranked table"""
+    tight_fraction: float = 0.9
+    """a layout whose predicted torch-allocated peak exceeds this fraction of (GPU memory -
+    reserve) is flagged 'tight' and ranked after the others (the model is validated to 15%)"""
+
+    def __post_init__(self):
+        allowed = {
+            "placement": ("colocated", "separate"),
+            "recompute": ("auto", "none", "selective", "full"),
+            "dtype": ("bf16", "fp16"),
+            "exp_avg_dtype": ("fp32", "bf16"),
+            "main_grads_dtype": ("fp32", "bf16"),
+            "transformer_impl": ("transformer_engine", "local"),
+            "dispatcher": ("alltoall", "flex", "allgather"),
+            "loss": ("verl", "fused", "megatron_ce"),
+            "recompute_method": ("uniform", "block"),
+            "optimizer_impl": ("fused", "torch"),
+        }
+        for k, vals in allowed.items():
+            if getattr(self, k) not in vals:
+                raise ValueError(f"options.{k}={getattr(self, k)!r}; allowed: {vals}")
+        if self.recompute_modules is not None:
+            bad = sorted(set(self.recompute_modules) - set(RECOMPUTE_MODULES))
+            if bad:
+                raise ValueError(f"options.recompute_modules has {bad}; megatron-core 0.16.1 allows {RECOMPUTE_MODULES}")
+        if not 0 <= self.optimizer_cpu_offload_fraction <= 1:
+            raise ValueError(f"options.optimizer_cpu_offload_fraction must be in [0, 1] (got {self.optimizer_cpu_offload_fraction})")
+        u = self.rollout_gpu_memory_utilization
+        if u is not None and not 0 < u < 1:
+            raise ValueError(f"options.rollout_gpu_memory_utilization must be in (0, 1) (got {u})")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """One trainer layout (megatron-core names in brackets)."""
+
+    tp: int = 1
+    """[tensor_model_parallel_size]"""
+    pp: int = 1
+    """[pipeline_model_parallel_size]"""
+    ep: int = 1
+    """[expert_model_parallel_size]"""
+    etp: int | None = None
+    """[expert_tensor_parallel_size]; None = TP (megatron's default)"""
+    vpp: int | None = None
+    """[virtual_pipeline_model_parallel_size]"""
+    cp: int = 1
+    """[context_parallel_size]"""
+    sp: bool | None = None
+    """[sequence_parallel]; None = TP > 1 (verl's default)"""
+    pipeline_layout: str | None = None
+    """[pipeline_model_parallel_layout], e.g. "Et|(tt|)*30mL" """
+    first_stage_layers: int | None = None
+    """[num_layers_in_first_pipeline_stage]"""
+    last_stage_layers: int | None = None
+    """[num_layers_in_last_pipeline_stage]"""
+    account_for_embedding: bool = False
+    account_for_loss: bool = False
+    recompute: str = "none"
+    """none | selective | full"""
+    recompute_modules: tuple[str, ...] = ()
+    recompute_method: str = "uniform"
+    recompute_num_layers: int = 1
+
+    @property
+    def etp_(self) -> int:
+        return self.tp if self.etp is None else self.etp
+
+    @property
+    def sp_(self) -> bool:
+        return self.tp > 1 if self.sp is None else self.sp
+
+    @property
+    def vpp_(self) -> int:
+        return self.vpp or 1
+
+    def dp(self, world: int) -> int:
+        return world // (self.tp * self.pp * self.cp)
+
+    def edp(self, world: int) -> int:
+        return world // (self.etp_ * self.ep * self.pp)
+
+    def short(self) -> str:
+        s = f"TP{self.tp} PP{self.pp}"
+        if self.vpp:
+            s += f" VPP{self.vpp}"
+        s += f" EP{self.ep}"
+        if self.etp_ != self.tp or self.ep > 1:
+            s += f" ETP{self.etp_}"
+        if self.cp > 1:
+            s += f" CP{self.cp}"
+        if self.pipeline_layout:
+            s += f" layout={self.pipeline_layout}"
+        elif self.first_stage_layers or self.last_stage_layers:
+            s += f" first/last={self.first_stage_layers}/{self.last_stage_layers}"
+        rc = self.recompute if self.recompute != "selective" else "sel[" + ",".join(self.recompute_modules) + "]"
+        return s + f" rc={rc}"
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutLayout:
+    """One vLLM layout: ``instances`` engines of ``tp * dp`` GPUs each."""
+
+    tp: int
+    gpus: int
+    dp: int = 1
+    ep: int = 1
+    gpu_memory_utilization: float = 0.6
+
+    @property
+    def instance_gpus(self) -> int:
+        return self.tp * self.dp
+
+    @property
+    def instances(self) -> int:
+        return self.gpus // self.instance_gpus
+
+    def short(self) -> str:
+        s = f"vLLM TP{self.tp}"
+        if self.dp > 1:
+            s += f" DP{self.dp}"
+        if self.ep > 1:
+            s += f" EP{self.ep}"
+        return s + f" x{self.instances} util={self.gpu_memory_utilization:.2f}"
+
+
+def from_dict(cls, d: dict[str, Any] | None):
+    """Build a dataclass from a dict; unknown keys are an error naming the allowed ones."""
+    if d is None:
+        return cls()
+    if isinstance(d, cls):
+        return d
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - names)
+    if unknown:
+        raise ValueError(f"{cls.__name__}: unknown key(s) {unknown}; allowed: {sorted(names)}")
+    kw = {}
+    for k, v in d.items():
+        if isinstance(v, list):
+            v = tuple(v)
+        kw[k] = v
+    return cls(**kw)

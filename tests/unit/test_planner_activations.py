@@ -1,0 +1,121 @@
+"""The planner's activation model for megatron-core's local spec, checked against the bytes a real
+megatron-core 0.16.1 GPTModel saves for backward (``torch.autograd.graph.saved_tensors_hooks``)
+on CPU, for each recompute choice the bench measures. A planted fault (the S^2 attention term
+dropped from the model) must make the comparison fail."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("megatron.core")
+
+from dsv3_rl.planner.memory import layer_activation, logits_bytes_per_token  # noqa: E402
+from dsv3_rl.planner.model import ModelSpec  # noqa: E402
+from dsv3_rl.planner.spec import Layout, Options  # noqa: E402
+
+TINY = dict(model_type="deepseek_v3", vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=48,
+            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
+            routed_scaling_factor=2.5, kv_lora_rank=24, q_lora_rank=40, qk_rope_head_dim=8, v_head_dim=16,
+            qk_nope_head_dim=16, n_group=1, topk_group=1, num_experts_per_tok=3, first_k_dense_replace=1,
+            norm_topk_prob=True, hidden_act="silu", max_position_embeddings=4096, rms_norm_eps=1e-6,
+            tie_word_embeddings=False, rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
+            rope_interleave=True, attention_bias=False, attention_dropout=0.0, initializer_range=0.02,
+            num_nextn_predict_layers=0)
+SEQ, MBS = 96, 2
+
+RECOMPUTE = [
+    ("none", None),
+    ("core_attn", {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]}),
+    ("mla_up_proj", {"recompute_granularity": "selective", "recompute_modules": ["mla_up_proj"]}),
+    ("moe", {"recompute_granularity": "selective", "recompute_modules": ["moe"]}),
+    ("shared_experts+mlp", {"recompute_granularity": "selective", "recompute_modules": ["shared_experts", "mlp"]}),
+    ("full", {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}),
+]
+
+
+@pytest.fixture(scope="module")
+def megatron_cpu():
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29700 + os.getpid() % 500))
+    created = False
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        created = True
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(1, 1)
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    old_fork = tracker.fork
+    tracker.fork = lambda *a, **k: contextlib.nullcontext()  # no dropout in the model; CPU has no CUDA RNG
+    yield
+    tracker.fork = old_fork
+    ps.destroy_model_parallel()
+    if created:
+        dist.destroy_process_group()
+
+
+def saved_bytes(recompute: dict | None) -> int:
+    """Bytes of distinct non-parameter storages saved for backward by one forward (with loss)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    from dsv3_rl.convert.config_map import Parallel, hf_to_mcore_config
+
+    cfg = hf_to_mcore_config(TINY, Parallel(), dtype=torch.bfloat16, use_cpu_initialization=True, **(recompute or {}))
+    spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization="RMSNorm")
+    torch.manual_seed(0)
+    model = GPTModel(cfg, spec, vocab_size=TINY["vocab_size"], max_sequence_length=4096,
+                     position_embedding_type="rope", share_embeddings_and_output_weights=False)
+    params = {p.untyped_storage()._cdata for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s._cdata not in params:
+            seen.setdefault(s._cdata, s.nbytes())
+        return t
+
+    ids = torch.randint(0, TINY["vocab_size"], (MBS, SEQ), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(SEQ).expand(MBS, SEQ)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(ids, pos, None, labels=ids)
+    return sum(seen.values())
+
+
+def predicted_bytes(recompute: dict | None, drop_s2: bool = False) -> float:
+    m = ModelSpec.from_hf(TINY)
+    rc = recompute or {}
+    lay = Layout(recompute=rc.get("recompute_granularity") or "none",
+                 recompute_modules=tuple(rc.get("recompute_modules", ())))
+    opt = Options(transformer_impl="local", loss="megatron_ce", moe_grouped_gemm=False)
+    tokens = SEQ * MBS
+    total = 0.0
+    for i in range(m.num_layers):
+        la = layer_activation(m, m.is_moe_layer(i), lay, opt, SEQ)
+        kept = la.kept - (la.parts["core_attn_s2"] if drop_s2 and lay.recompute == "none" else 0.0)
+        total += kept * tokens
+    saved_logits, _ = logits_bytes_per_token(m, lay, opt)
+    # causal mask (bool S x S) is cached once per model and counted in the first layer's s2 term per
+    # layer by the model (1 byte / token / key); the embedding saves its int64 indices
+    return total + saved_logits * tokens + 8 * tokens
+
+
+@pytest.mark.parametrize("name,recompute", RECOMPUTE, ids=[r[0] for r in RECOMPUTE])
+def test_saved_activation_bytes_match_megatron(megatron_cpu, name, recompute):
+    measured = saved_bytes(recompute)
+    predicted = predicted_bytes(recompute)
+    assert abs(predicted / measured - 1) < 0.03, (name, measured, predicted, predicted / measured - 1)
+
+
+def test_planted_fault_dropping_s2_term_is_caught(megatron_cpu):
+    """Twin: a model without the unfused attention's S x S softmax/probs term must miss."""
+    measured = saved_bytes(None)
+    faulty = predicted_bytes(None, drop_s2=True)
+    assert abs(faulty / measured - 1) >= 0.03, (measured, faulty)

@@ -1,0 +1,98 @@
+"""Planner predictions vs measured peak memory of real megatron-core training steps
+(``bench/measure_train_memory.py``), kept under tests/assets/planner/.
+
+* ``measured_gpu.jsonl``: the GPU set. Rows measured on CUDA must be within 15% of the planner;
+  rows with ``measured: null`` (not run on a GPU yet) make the 15% test skip, saying so.
+* ``cpu_emulated_smoke.jsonl``: the same kind of step on CPU with the allocator emulated (storage
+  bytes alive, 512 B blocks) - not a GPU measurement, checked to 10% as a regression guard.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from dsv3_rl.planner.validation import load_measurements, predict_row
+
+ASSETS = Path(__file__).resolve().parents[1] / "assets" / "planner"
+GPU = ASSETS / "measured_gpu.jsonl"
+CPU = ASSETS / "cpu_emulated_smoke.jsonl"
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "measure_train_memory.py"
+TOLERANCE = 0.15
+
+
+def _gpu_rows():
+    return [r for r in load_measurements(GPU) if r.get("device") == "cuda" and r.get("peak_allocated")]
+
+
+def test_gpu_set_covers_the_dimensions():
+    """>= 4 configs that differ in layers, experts, sequence length and recompute."""
+    rows = load_measurements(GPU)
+    assert len(rows) >= 4
+    for key in (lambda r: r["hf_config"]["num_hidden_layers"], lambda r: r["hf_config"]["n_routed_experts"],
+                lambda r: r["seq_length"], lambda r: json.dumps(r["recompute"], sort_keys=True)):
+        assert len({key(r) for r in rows}) >= 2
+
+
+def test_gpu_measurements_within_15_percent():
+    rows = _gpu_rows()
+    if not rows:
+        pytest.skip(f"no GPU measurement in {GPU.relative_to(GPU.parents[3])} yet (rows say measured: null); "
+                    f"run `python bench/measure_train_memory.py --out {GPU.relative_to(GPU.parents[3])}` on an H100/H200")
+    errors = {r["name"]: predict_row(r) / r["peak_allocated"] - 1 for r in rows if not r.get("oom")}
+    assert len(errors) >= 4, errors
+    bad = {k: f"{v:+.1%}" for k, v in errors.items() if abs(v) > TOLERANCE}
+    assert not bad, f"predictions off by more than {TOLERANCE:.0%}: {bad}"
+
+
+def test_cpu_emulated_within_10_percent():
+    rows = load_measurements(CPU)
+    assert rows and all(r["device"] == "cpu-emulated" for r in rows)
+    errors = {r["name"]: predict_row(r) / r["peak_allocated"] - 1 for r in rows}
+    assert all(abs(e) < 0.10 for e in errors.values()), errors
+    # the static part (weights + grad buffer + optimizer states) is read off the tensors
+    for r in rows:
+        assert r["weight_bytes"] + r["grad_bytes"] + r["optimizer_bytes"] <= r["static_allocated"]
+
+
+def test_planted_fault_scaled_prediction_fails_the_check():
+    """Twin: a predictor 30% high must fail the 15% comparison on the same rows."""
+    rows = _gpu_rows() or load_measurements(CPU)
+    errors = [1.3 * predict_row(r) / r["peak_allocated"] - 1 for r in rows]
+    assert any(abs(e) > TOLERANCE for e in errors)
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("measure_train_memory", BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_lists_configs_and_predicts(tmp_path, capsys):
+    bench = _bench()
+    assert bench.main(["--list"]) == 0
+    out = tmp_path / "pred.jsonl"
+    assert bench.main(["--predict-only", "--out", str(out)]) == 0
+    rows = load_measurements(out)
+    assert len(rows) == len(bench.GPU_SET) and all(r["measured"] is None and r["planner_predicted_allocated"] for r in rows)
+    assert bench.main(["--set", "gpu", "--only", "nope", "--predict-only"]) == 0  # --only filters, nothing to do
+    assert bench.main(["--only", "nope", "--device", "cpu"]) == 2
+    assert "not in set" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_bench_cpu_reproduces_asset(tmp_path):
+    """Re-run one CPU config through the real megatron-core step and match the stored row."""
+    pytest.importorskip("megatron.core")
+    bench = _bench()
+    name = "tiny-L3-E8-s256-none"
+    out = tmp_path / "row.jsonl"
+    assert bench.main(["--set", "cpu-smoke", "--only", name, "--device", "cpu", "--out", str(out)]) == 0
+    new = load_measurements(out)[0]
+    old = next(r for r in load_measurements(CPU) if r["name"] == name)
+    assert abs(new["peak_allocated"] / old["peak_allocated"] - 1) < 0.02
+    assert new["weight_bytes"] == old["weight_bytes"] and new["optimizer_bytes"] == old["optimizer_bytes"]
