@@ -11,8 +11,8 @@ The formula (DeepSeek's ``inference/kernel.py::weight_dequant`` with bf16 as def
   bits 13..7): that fp16 equals ``fp8 / 256`` exactly for every finite e4m3fn value, subnormals
   included. ``fp16 * (scale_inv * 256)`` (computed in fp32, one rounding to bf16 on store) is then
   the same real product as ``fp8 * scale_inv``, so the result is bit-identical. ``scale_inv * 256``
-  is exact in fp32 (a power-of-two multiply) unless it overflows, and NaN codes (0x7f/0xff) do not
-  survive the re-packing; both are checked per call and fall back to the reference formula.
+  is exact in fp32 (a power-of-two multiply) unless it overflows (checked per call), and NaN codes
+  (0x7f/0xff) do not survive the re-packing (checked per 128-row block); both take the formula.
 * CUDA: a Triton kernel (one 128-aligned tile per program, scalar scale load, fp32 multiply,
   rounding cast to bf16); the eager formula where Triton is missing.
 
@@ -54,28 +54,32 @@ def dequant_reference(w: torch.Tensor, s: torch.Tensor, block: int = BLOCK) -> t
 # --------------------------------------------------------------------------------------- CPU
 
 
-def _has_nan_codes(i8: torch.Tensor) -> bool:
-    # e4m3fn NaN is S.1111.111: 0x7f and 0xff (= -1 as int8)
-    return bool((i8 == 127).any()) or bool((i8 == -1).any())
-
-
 def _dequant_cpu(w: torch.Tensor, s: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     m, n = w.shape
     s32 = s.to(torch.float32)
-    i8 = w.view(torch.int8)
     if m == 0 or n == 0:
         return out
-    if not bool(torch.isfinite(s32).all()) or float(s32.abs().max()) >= 2.0**119 or _has_nan_codes(i8):
+    if not bool(torch.isfinite(s32).all()) or float(s32.abs().max()) >= 2.0**119:
         out.copy_(dequant_reference(w, s32))
         return out
+    i8 = w.view(torch.int8)
     srows = (s32 * 256.0).repeat_interleave(BLOCK, dim=1)[:, :n]  # [ceil(m/128), n]
-    buf = torch.empty((min(BLOCK, m), n), dtype=torch.int16)
-    for r0 in range(0, m, BLOCK):
+    rows = min(BLOCK, m)
+    buf = torch.empty((rows, n), dtype=torch.int16)
+    f32 = torch.empty((rows, n), dtype=torch.float32)
+    for r0 in range(0, m, BLOCK):  # one 128-row block at a time: the buffers stay in cache
         r1 = min(r0 + BLOCK, m)
-        b = buf[: r1 - r0]
-        b.copy_(i8[r0:r1])  # sign-extends: bits 15..8 = sign
-        b.bitwise_left_shift_(7).bitwise_and_(-16385)  # 0xBFFF: clear bit 14 (a sign copy)
-        torch.mul(b.view(torch.float16), srows[r0 // BLOCK], out=out[r0:r1])
+        blk = i8[r0:r1]
+        # e4m3fn NaN codes 0x7f / 0xff are the int8 max (127) / the uint8 max (255): the re-packing
+        # below would turn them into 480 * scale, so such a block takes the formula.
+        if int(blk.max()) == 127 or int(blk.view(torch.uint8).max()) == 255:
+            out[r0:r1] = dequant_reference(w[r0:r1], s32[r0 // BLOCK: r0 // BLOCK + 1])
+            continue
+        b, f = buf[: r1 - r0], f32[: r1 - r0]
+        b.copy_(blk)  # sign-extends: bits 15..8 = sign
+        b.bitwise_left_shift_(7).bitwise_and_(-16385)  # 0xBFFF: clear bit 14 (a sign copy) -> fp16 = fp8 / 256
+        f.copy_(b.view(torch.float16)).mul_(srows[r0 // BLOCK])  # exact fp32 operands, one fp32 rounding
+        out[r0:r1].copy_(f)  # one rounding to bf16 (nearest-even)
     return out
 
 
@@ -109,7 +113,7 @@ def _get_triton_kernel():
                 s = tl.load(s_ptr + ((pid_m * BLOCK_M) // 128) * SN + (pid_n * BLOCK_N) // 128)
                 x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
                 y = x * s
-                tl.store(y_ptr + offs, y.to(tl.bfloat16), mask=mask)
+                tl.store(y_ptr + offs, y.to(tl.bfloat16, fp_downcast_rounding="rtne"), mask=mask)
 
             _triton_kernel = _dequant_kernel
         return _triton_kernel or None

@@ -251,21 +251,20 @@ def write_mini_model(preset: str, out_dir: str | os.PathLike, seed: int = 0, dty
         weight_map = {}
         for fname, group in zip(files, groups):
             with ShardWriter(tmp / fname, [entry_of[g] for g in group]) as w:
-                for tname in w.order:
+                for tname in group:  # logical order; the writer places each tensor at its offset
                     if tname.endswith("_scale_inv"):
-                        _, s = K.quantize(init_tensor(by_name[tname[: -len("_scale_inv")]], seed), "amax")
-                        w.write(tname, s)
-                        continue
+                        continue  # written with its weight
                     spec = by_name[tname]
                     x = init_tensor(spec, seed)
                     if spec.kind == "bias":
-                        t = x
+                        w.write(tname, x)
                     elif fmt == "fp8-release" and spec.kind == "linear":
-                        t, _ = K.quantize(x, "amax")
+                        q, s = K.quantize(x, "amax")
+                        w.write(tname, q)
+                        w.write(tname + "_scale_inv", s)
                     else:
-                        t = x.to(DTYPES[dtype])
-                    w.write(tname, t)
-                w.close(fsync=False)
+                        w.write(tname, x.to(DTYPES[dtype]))
+                w.close(fsync=False, digest=False)
             weight_map.update({g: fname for g in group})
         if len(files) > 1:
             index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
