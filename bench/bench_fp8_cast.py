@@ -83,10 +83,21 @@ def bench_kernel(device: torch.device, m: int, n: int, iters: int) -> dict:
     else:
         if K._get_triton_kernel() is not None:
             backends["fast"] = lambda: K.dequant(w, s, out, backend="triton")
+            # tile sweep, to pick fp8_kernels.TRITON_BLOCK_M / TRITON_NUM_WARPS on this GPU
+            for bm, nw in ((16, 2), (32, 4), (64, 4), (64, 8), (128, 8), (128, 16)):
+                def tiled(bm=bm, nw=nw):
+                    old = K.TRITON_BLOCK_M, K.TRITON_NUM_WARPS
+                    K.TRITON_BLOCK_M, K.TRITON_NUM_WARPS = bm, nw
+                    try:
+                        K.dequant(w, s, out, backend="triton")
+                    finally:
+                        K.TRITON_BLOCK_M, K.TRITON_NUM_WARPS = old
+                backends[f"triton-m{bm}-w{nw}"] = tiled
         if os.environ.get("TORCHDYNAMO_DISABLE", "0") not in ("1", "true", "True"):
             compiled = torch.compile(K.dequant_reference)
             backends["compiled"] = lambda: out.copy_(compiled(w, s))
     for name, fn in backends.items():
+        out.zero_()  # a backend that writes nothing must not inherit the previous one's result
         try:
             t = _timeit(fn, device, iters)
         except Exception as e:  # a compile failure is a result, not a crash

@@ -521,8 +521,14 @@ def run(plan: Plan, *, device: str = "auto", workers: int | None = None, chunk_m
     old_threads = torch.get_num_threads()
     if dev.type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // n_workers))
-    elif pending:
-        K.dequant(torch.zeros(1, 1, dtype=K.FP8, device=dev), torch.ones(1, 1, device=dev))  # compile once
+    elif pending and plan.direction == "fp8_to_bf16":
+        problem = K.self_check(dev)  # also compiles the kernel once, before the threads start
+        if problem:
+            log(f"warning: the Triton dequant on {dev} is not usable ({problem}); using the eager formula")
+            K.disable_triton()
+            problem = K.self_check(dev)
+            if problem:
+                raise CheckpointError(f"dequant on {dev} does not reproduce the formula ({problem}); use --device cpu")
     local = threading.local()
 
     def convert(shard: OutShard):

@@ -138,6 +138,32 @@ def _dequant_triton(w: torch.Tensor, s: torch.Tensor, out: torch.Tensor) -> torc
     return out
 
 
+def disable_triton() -> None:
+    """Make ``dequant(backend="auto")`` use the eager formula on CUDA from now on."""
+    global _triton_kernel
+    with _triton_lock:
+        _triton_kernel = False
+
+
+def self_check(device: torch.device | str) -> str | None:
+    """Dequant every finite FP8 code over partial 128-blocks on DEVICE with the backend ``auto`` picks,
+    and compare bit for bit with the formula on the CPU. None if identical, else what went wrong."""
+    g = torch.Generator().manual_seed(0)
+    codes = torch.tensor([c for c in range(256) if c not in (0x7F, 0xFF)], dtype=torch.uint8)
+    w = codes[torch.randint(0, len(codes), (200, 300), generator=g)]
+    w[:2].copy_(codes.repeat(3)[:600].view(2, 300))
+    w = w.view(FP8)
+    s = torch.exp2(torch.randint(-40, 20, scale_shape(w.shape), generator=g).float()) * (
+        1 + torch.rand(scale_shape(w.shape), generator=g))
+    try:
+        got = dequant(w.to(device), s.to(device)).cpu()
+    except Exception as e:  # e.g. Triton without fp8 support on this GPU
+        return f"{type(e).__name__}: {str(e)[:300]}"
+    if not torch.equal(got.view(torch.int16), dequant_reference(w, s).view(torch.int16)):
+        return "result differs from the formula"
+    return None
+
+
 def _check(w: torch.Tensor, s: torch.Tensor, block: int) -> None:
     if w.dtype != FP8:
         raise TypeError(f"dequant: weight dtype {w.dtype}, expected {FP8}")

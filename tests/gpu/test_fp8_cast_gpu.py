@@ -24,8 +24,9 @@ def random_case(m, n, seed):
     return w, s
 
 
-def test_triton_is_available():
+def test_triton_is_available_and_passes_the_self_check():
     assert K._get_triton_kernel() is not None, "Triton missing: the GPU cast would fall back to the eager formula"
+    assert K.self_check("cuda") is None
 
 
 @pytest.mark.parametrize("m, n", [(1, 1), (40, 64), (128, 128), (576, 7168), (300, 7), (129, 257),

@@ -129,3 +129,15 @@ def test_quantize_scales_and_error_bounds():
         K.quantize(torch.tensor([[1.0, float("nan")]]))
     with pytest.raises(ValueError, match="allowed: pow2, amax"):
         K.quant_scales(torch.ones(1, 1), "e8m0")
+
+
+def test_self_check(monkeypatch):
+    assert K.self_check("cpu") is None
+    # planted fault: a kernel that rounds by truncation must be reported
+    def truncating(w, s, out):
+        prod = w.to(torch.float32) * K._expand(s, *w.shape)
+        out.copy_((prod.view(torch.int32) >> 16).to(torch.int16).view(torch.bfloat16))
+        return out
+
+    monkeypatch.setattr(K, "_dequant_cpu", truncating)
+    assert K.self_check("cpu") == "result differs from the formula"
