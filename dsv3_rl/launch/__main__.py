@@ -1,0 +1,5 @@
+import sys
+
+from dsv3_rl.launch.cli import main
+
+sys.exit(main())

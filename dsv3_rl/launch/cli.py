@@ -1,0 +1,394 @@
+"""``python -m dsv3_rl.launch`` (console script ``dsv3-launch``): checkpoint -> GRPO from a named preset.
+
+    dsv3-launch [run] --preset NAME [--dry-run] [--stages-only | --skip-stages] [verl overrides ...]
+    dsv3-launch list [--markdown]                 the presets, with their parallel sizes
+    dsv3-launch show --preset NAME                the preset's files, merged, as verl overrides
+    dsv3-launch check-all                         dry-run every preset (CI)
+    dsv3-launch dlc --preset NAME [--format cli|job_file|json|yaml] [-o FILE] [--image ...]
+    dsv3-launch slurm --preset NAME               the sbatch line for the preset
+    dsv3-launch platform                          what the environment says about this node
+
+``run`` is the default command. ``--preset`` defaults to ``$PRESET``; ``--dry-run`` to ``$DRY_RUN``.
+Everything that is not a launcher option is a verl/Hydra override (``data.train_batch_size=64``,
+``+actor_rollout_ref.actor.megatron.override_transformer_config.moe_enable_deepep=true``).
+
+Exit status: 0 ok, 1 checks failed (nothing started) or the run failed, 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from dsv3_rl.launch.presets import PresetError, list_presets, load_preset
+
+COMMANDS = ("run", "list", "show", "check-all", "dlc", "slurm", "platform")
+
+
+def _truthy(v: str | None) -> bool:
+    return (v or "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _run_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dsv3-launch run", add_help=True,
+                                description="Resolve, validate and run a preset (any other argument is a verl override).")
+    p.add_argument("--preset", default=os.environ.get("PRESET"), help="preset name or YAML file (default $PRESET)")
+    p.add_argument("--dry-run", action="store_true", default=_truthy(os.environ.get("DRY_RUN")),
+                   help="resolve and validate everything, print the command, start nothing (also DRY_RUN=1)")
+    p.add_argument("--allow-missing", action="store_true",
+                   help="dry run: missing checkpoint/dataset paths are warnings, not errors")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--stages-only", action="store_true", help="run the pipeline stages (cast, convert, data), not training")
+    g.add_argument("--skip-stages", action="store_true", help="go straight to training (outputs must exist)")
+    p.add_argument("--join-timeout", type=float, default=float(os.environ.get("RAY_JOIN_TIMEOUT", 1800)),
+                   help="multi-node: seconds for all nodes to join Ray (default 1800, $RAY_JOIN_TIMEOUT)")
+    p.add_argument("--quiet", action="store_true", help="summary only, not the full command")
+    return p
+
+
+def _print_launch(launch, *, out=sys.stdout, full: bool = True) -> None:
+    from dsv3_rl.launch.overrides import shell_join
+
+    pr = lambda *a: print(*a, file=out)  # noqa: E731
+    ps = launch.preset
+    chain = " <- ".join(p.name for p in reversed(ps.files))
+    pr(f"preset     {ps.name}: {ps.description}")
+    pr(f"           files: {chain} (in {ps.path.parent})")
+    mc = launch.model_cfg
+    pr(f"model      {ps.model}: {mc.get('num_hidden_layers')} layers, {mc.get('n_routed_experts')} experts "
+       f"(top-{mc.get('num_experts_per_tok')}, {mc.get('n_group')} groups / top-{mc.get('topk_group')}), "
+       f"{mc.get('num_attention_heads')} heads  [{launch.model_src}]")
+    s = launch.sizes
+    pr(f"hardware   {ps.hardware_name} ({ps.nodes} node{'s' if ps.nodes > 1 else ''} x {ps.gpus_per_node}"
+       f"{' CPU processes' if ps.is_cpu else ' ' + ps.hardware['gpu']})")
+    if s is not None:
+        from dsv3_rl.launch.verl_config import select
+
+        otc = select(launch.cfg, "actor_rollout_ref.actor.megatron.override_transformer_config") or {}
+        rc = otc.get("recompute_granularity") or "none"
+        if rc == "selective":
+            rc += "[" + ",".join(otc.get("recompute_modules") or []) + "]"
+        pr(f"trainer    megatron {s.short()} recompute={rc}")
+        util = select(launch.cfg, "actor_rollout_ref.rollout.gpu_memory_utilization")
+        inst = s.rollout_tp * s.rollout_dp * s.rollout_pp
+        pr(f"rollout    {select(launch.cfg, 'actor_rollout_ref.rollout.name')} {s.rollout_short()} "
+           f"({s.world // inst if inst and s.world % inst == 0 else '?'} engine(s)), gpu_memory_utilization={util}")
+    pr("paths")
+    for k, v in launch.paths.items():
+        pr(f"  {k:<11} {v}{'' if Path(v).exists() else '  (not there yet)'}")
+    if launch.env:
+        pr("environment (added)")
+        for k in sorted(launch.env):
+            pr(f"  {k}={launch.env[k]}")
+    pr("stages")
+    for st in launch.stages:
+        status, detail = st.status()
+        cmd = " ".join(st.argv[2:]) if st.argv and status == "run" else ""
+        pr(f"  {st.name:<10} {status:<5} {detail}" + (f"\n             $ python -m {cmd.removeprefix('-m ')}" if cmd else ""))
+    for n in launch.notes:
+        pr(f"note       {n}")
+    pr("checks")
+    order = {"error": 0, "warning": 1, "info": 2}
+    for f in sorted(launch.findings, key=lambda f: order.get(f.level, 3)):
+        pr(f"  {f}")
+    if not launch.findings:
+        pr("  (none)")
+    if full:
+        pr("command")
+        pr("  " + shell_join(launch.argv).replace("\n", "\n  "))
+
+
+def _resolve_or_die(preset: str, overrides: list[str], *, allow_missing: bool = False):
+    from dsv3_rl.launch.run import resolve
+    from dsv3_rl.launch.verl_config import VerlConfigError
+
+    try:
+        launch = resolve(preset, overrides)
+    except (PresetError, VerlConfigError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    if allow_missing:
+        from dsv3_rl.launch.checks import Finding
+
+        launch.findings = [Finding("warning", f.check, f.message) if f.check.startswith("stage:") and f.level == "error"
+                           else f for f in launch.findings]
+    return launch
+
+
+def cmd_run(argv: list[str]) -> int:
+    p = _run_parser()
+    args, rest = p.parse_known_args(argv)
+    bad = [a for a in rest if a.startswith("-")]
+    if bad:
+        p.error(f"unknown launcher option(s) {bad}; verl overrides look like key=value (see --help)")
+    if not args.preset:
+        print(f"error: no preset: pass --preset NAME or set PRESET (presets: {', '.join(list_presets())})", file=sys.stderr)
+        return 2
+    t0 = time.monotonic()
+    launch = _resolve_or_die(args.preset, rest, allow_missing=args.allow_missing and args.dry_run)
+    _print_launch(launch, full=not args.quiet)
+    n_err = len(launch.errors)
+    n_warn = sum(f.level == "warning" for f in launch.findings)
+    if args.dry_run:
+        verdict = "OK" if not n_err else f"FAILED: {n_err} error(s)"
+        print(f"dry run {launch.preset.name}: {verdict}, {n_warn} warning(s); nothing started ({time.monotonic() - t0:.1f}s)")
+        return 1 if n_err else 0
+    if n_err:
+        print(f"refusing to start {launch.preset.name}: {n_err} error(s) above (run with --dry-run to iterate)",
+              file=sys.stderr)
+        return 1
+    return execute(launch, stages_only=args.stages_only, skip_stages=args.skip_stages, join_timeout=args.join_timeout)
+
+
+def execute(launch, *, stages_only: bool = False, skip_stages: bool = False, join_timeout: float = 1800.0) -> int:
+    """Run the stages and the training command here, or as one node of a multi-node Ray cluster."""
+    from dsv3_rl.launch import platform, ray_cluster
+    from dsv3_rl.launch.stages import StageError
+
+    env = launch.full_env()
+    env.setdefault("RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S", "10")
+    # A cluster we bring up uses token auth only when the job shares a token; otherwise it is off
+    # (Ray >= 2.5x enables it by default, but a token made on one node is unknown to the others).
+    if "RAY_AUTH_MODE" not in env:
+        env["RAY_AUTH_MODE"] = "token" if env.get("RAY_AUTH_TOKEN") else "disabled"
+    os.environ.update({k: v for k, v in env.items() if k.startswith("RAY_")})
+    try:
+        info = platform.parse(env)
+    except platform.PlatformError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    nnodes = launch.sizes.nnodes
+    print(f"platform   {info.describe()}")
+    if info.nnodes != nnodes:
+        print(f"error: the job has {info.nnodes} node(s) ({info.platform}) but the run needs trainer.nnodes={nnodes} "
+              f"({launch.preset.hardware_name}); submit with {nnodes} nodes or override trainer.nnodes", file=sys.stderr)
+        return 2
+    if info.gpus_per_node is not None and not launch.preset.is_cpu and info.gpus_per_node != launch.sizes.gpus_per_node:
+        print(f"error: this node has {info.gpus_per_node} GPUs ({', '.join(info.sources)}) but the run needs "
+              f"trainer.n_gpus_per_node={launch.sizes.gpus_per_node}", file=sys.stderr)
+        return 2
+
+    def run_stages():
+        if skip_stages:
+            print("[stages] skipped (--skip-stages)")
+            return
+        for st in launch.stages:
+            st.run(env)
+
+    def _term(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _term)
+    log_dir = launch.paths.logs / "ray"
+    try:
+        if nnodes == 1:
+            run_stages()
+            if stages_only:
+                return 0
+            print(f"[train] {' '.join(launch.argv[:4])} ... ({len(launch.argv) - 4} overrides)")
+            import subprocess
+
+            return subprocess.call(launch.argv, env=env)
+        gpus = None if launch.preset.is_cpu else launch.sizes.gpus_per_node
+        port = info.ray_port
+        if info.is_head:
+            spec = ray_cluster.RayNodeSpec(head=True, port=port, head_addr=info.head_addr,
+                                           node_ip=env.get("RAY_NODE_IP"), num_gpus=gpus)
+            if stages_only:
+                run_stages()
+                return 0
+            timeouts = ray_cluster.Timeouts(join=join_timeout)
+            return ray_cluster.run_head(spec, nnodes, env, run_stages, launch.argv, timeouts,
+                                        log_path=log_dir / "head.log")
+        head = ray_cluster.resolve_host(info.head_addr)
+        spec = ray_cluster.RayNodeSpec(head=False, port=port, head_addr=head, node_ip=env.get("RAY_NODE_IP"), num_gpus=gpus)
+        if stages_only:
+            return 0
+        return ray_cluster.run_worker(spec, env, ray_cluster.Timeouts(join=join_timeout),
+                                      log_path=log_dir / f"worker-{info.node_rank}.log")
+    except (StageError, ray_cluster.RayClusterError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+# ---------------------------------------------------------------------------------------- listing
+
+
+def preset_rows() -> list[dict]:
+    """One row per preset: model, hardware, trainer and rollout sizes (from the preset files)."""
+    rows = []
+    for name in list_presets():
+        p = load_preset(name)
+        lay, ro = p.layout, dict(p.rollout)
+        if p.recipe_data:  # recipe-driven: the rollout sizes are the recipe's verl keys
+            r = ((p.recipe_data.get("verl") or {}).get("actor_rollout_ref") or {}).get("rollout") or {}
+            for k, vk in (("tp", "tensor_model_parallel_size"), ("dp", "data_parallel_size"), ("ep", "expert_parallel_size"),
+                          ("gpu_memory_utilization", "gpu_memory_utilization")):
+                if vk in r:
+                    ro.setdefault(k, r[vk])
+        tp, pp, cp = int(lay.get("tp", 1)), int(lay.get("pp", 1)), int(lay.get("cp", 1))
+        dp = p.world // (tp * pp * cp) if p.world % (tp * pp * cp) == 0 else "?"
+        trainer = f"TP{tp} PP{pp} EP{lay.get('ep', 1)}" + (f" ETP{lay['etp']}" if "etp" in lay else "") + f" DP{dp}"
+        if lay.get("first_stage_layers") or lay.get("last_stage_layers"):
+            trainer += f", first/last {lay.get('first_stage_layers', '-')}/{lay.get('last_stage_layers', '-')}"
+        rc = lay.get("recompute", "none")
+        if rc == "selective":
+            rc = "sel: " + ",".join(lay.get("recompute_modules") or ["core_attn"])
+        rollout = (f"TP{ro.get('tp', '?')}" + (f" DP{ro['dp']}" if (ro.get("dp") or 1) > 1 else "")
+                   + (f" EP{ro['ep']}" if (ro.get("ep") or 1) > 1 else ""))
+        if "gpu_memory_utilization" in ro:
+            rollout += f" @{ro['gpu_memory_utilization']}"
+        rows.append(dict(preset=name, model=p.model, hardware=p.hardware_name, trainer=trainer, recompute=rc,
+                         rollout=rollout, description=p.description))
+    return rows
+
+
+def cmd_list(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="dsv3-launch list")
+    p.add_argument("--markdown", action="store_true")
+    args = p.parse_args(argv)
+    rows = preset_rows()
+    cols = ("preset", "model", "hardware", "trainer", "recompute", "rollout")
+    if args.markdown:
+        print("| " + " | ".join(cols) + " |")
+        print("|" + "|".join("---" for _ in cols) + "|")
+        for r in rows:
+            print("| " + " | ".join(f"`{r[c]}`" if c == "preset" else str(r[c]) for c in cols) + " |")
+        return 0
+    w = {c: max(len(c), *(len(str(r[c])) for r in rows)) for c in cols}
+    print("  ".join(c.ljust(w[c]) for c in cols))
+    for r in rows:
+        print("  ".join(str(r[c]).ljust(w[c]) for c in cols))
+    return 0
+
+
+def cmd_show(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="dsv3-launch show")
+    p.add_argument("--preset", default=os.environ.get("PRESET"), required=os.environ.get("PRESET") is None)
+    args, rest = p.parse_known_args(argv)
+    launch = _resolve_or_die_novalidate(args.preset, rest)
+    for o in launch.overrides + launch.user:
+        print(o)
+    return 0
+
+
+def _resolve_or_die_novalidate(preset, overrides):
+    from dsv3_rl.launch.run import resolve
+    from dsv3_rl.launch.verl_config import VerlConfigError
+
+    try:
+        return resolve(preset, overrides, validate=False)
+    except (PresetError, VerlConfigError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def cmd_check_all(argv: list[str]) -> int:
+    """Dry-run every preset in one process (verl imported once). Exit 1 if any has errors."""
+    p = argparse.ArgumentParser(prog="dsv3-launch check-all")
+    p.add_argument("--allow-missing", action="store_true")
+    p.add_argument("--verbose", action="store_true")
+    args = p.parse_args(argv)
+    failed = []
+    for name in list_presets():
+        launch = _resolve_or_die(name, [], allow_missing=args.allow_missing)
+        if args.verbose:
+            _print_launch(launch, full=False)
+        errs = launch.errors
+        warns = [f for f in launch.findings if f.level == "warning"]
+        print(f"{name:<16} {'OK ' if not errs else 'FAIL'} {launch.sizes.short() if launch.sizes else ''} "
+              f"| {len(errs)} error(s), {len(warns)} warning(s)")
+        for f in errs + warns:
+            print(f"    {f}")
+        if errs:
+            failed.append(name)
+    print(f"check-all: {len(list_presets()) - len(failed)}/{len(list_presets())} presets dry-run clean"
+          + (f"; failed: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
+
+
+def cmd_dlc(argv: list[str]) -> int:
+    from dsv3_rl.launch.specs import dlc_spec
+
+    p = argparse.ArgumentParser(prog="dsv3-launch dlc", description="PAI-DLC job spec for a preset")
+    p.add_argument("--preset", default=os.environ.get("PRESET"))
+    p.add_argument("--format", default="cli", choices=("cli", "job_file", "json", "yaml"))
+    p.add_argument("-o", "--output", help="write here (atomically) instead of stdout")
+    for k in ("image", "workspace-id", "resource-id", "data-sources", "code-dir", "name"):
+        p.add_argument(f"--{k}")
+    args, rest = p.parse_known_args(argv)
+    if not args.preset:
+        p.error("--preset (or $PRESET) is required")
+    try:
+        preset = load_preset(args.preset)
+    except PresetError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    spec = dlc_spec(preset, dict(os.environ), rest, image=args.image, workspace_id=args.workspace_id,
+                    resource_id=args.resource_id, data_sources=args.data_sources, code_dir=args.code_dir, name=args.name)
+    text = spec.render(args.format)
+    if args.output:
+        out = Path(args.output)
+        tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
+        tmp.write_text(text)
+        os.replace(tmp, out)
+        print(f"wrote {out} ({args.format}, {spec.workers} workers x {spec.gpu} GPUs)")
+    else:
+        sys.stdout.write(text)
+    if spec.missing:
+        print(f"warning: set {', '.join(spec.missing)} (or the matching --option) before submitting", file=sys.stderr)
+    return 0
+
+
+def cmd_slurm(argv: list[str]) -> int:
+    from dsv3_rl.launch.specs import sbatch_command
+
+    p = argparse.ArgumentParser(prog="dsv3-launch slurm", description="sbatch line for a preset")
+    p.add_argument("--preset", default=os.environ.get("PRESET"))
+    args, rest = p.parse_known_args(argv)
+    if not args.preset:
+        p.error("--preset (or $PRESET) is required")
+    try:
+        print(sbatch_command(load_preset(args.preset), rest))
+    except PresetError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def cmd_platform(argv: list[str]) -> int:
+    from dsv3_rl.launch import platform
+
+    try:
+        print(platform.parse(dict(os.environ)).describe())
+    except platform.PlatformError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0
+    cmd = "run"
+    if argv and argv[0] in COMMANDS:
+        cmd, argv = argv[0], argv[1:]
+    if "--list" in argv and cmd == "run":
+        return cmd_list([])
+    fn = {"run": cmd_run, "list": cmd_list, "show": cmd_show, "check-all": cmd_check_all, "dlc": cmd_dlc,
+          "slurm": cmd_slurm, "platform": cmd_platform}[cmd]
+    try:
+        return fn(argv)
+    except PresetError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

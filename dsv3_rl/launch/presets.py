@@ -1,0 +1,321 @@
+"""Run presets: small YAML files under ``examples/deepseek_v3/presets/``, one per model x hardware.
+
+A preset names its model (facts live in :mod:`dsv3_rl.models.presets`), its hardware, a trainer
+``layout`` (the fields of :class:`dsv3_rl.planner.Layout`), a ``rollout`` layout, the RL ``router``
+settings and anything else as ``verl`` keys in verl's own config tree. ``extends`` pulls in shared
+files (``_grpo_math.yaml``); files whose name starts with ``_`` are bases, not runnable presets.
+
+Every key is checked: an unknown key is an error naming the file, the key and the allowed keys.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import os
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+PRESET_DIR = REPO / "examples" / "deepseek_v3" / "presets"
+ENV_DIR = REPO / "examples" / "deepseek_v3" / "env"
+
+
+class PresetError(ValueError):
+    """A preset (or an override of it) is wrong; the message names the file and the key."""
+
+
+def close(word: str, choices, n: int = 3) -> str:
+    m = difflib.get_close_matches(word, list(choices), n=n, cutoff=0.6)
+    return f"; did you mean {' or '.join(repr(x) for x in m)}?" if m else ""
+
+
+# -------------------------------------------------------------------------------------- schema
+
+LAYOUT_KEYS = (
+    "tp", "pp", "ep", "etp", "vpp", "cp", "sp", "pipeline_layout", "first_stage_layers", "last_stage_layers",
+    "account_for_embedding", "account_for_loss", "recompute", "recompute_modules", "recompute_method",
+    "recompute_num_layers",
+)
+ROLLOUT_KEYS = ("name", "tp", "dp", "ep", "gpu_memory_utilization")
+ROUTER_KEYS = ("bias_update_rate", "load_balancing_type", "aux_loss_coeff", "router_dtype")
+HARDWARE_KEYS = ("gpu", "nodes", "gpus_per_node", "gpu_memory_gib")
+WEIGHTS_KEYS = ("source", "name", "download", "fp8", "dist_ckpt")
+DATA_KEYS = ("dataset", "raw", "train_size", "test_size", "length_filter")
+DLC_KEYS = ("image", "worker_cpu", "worker_memory", "worker_shared_memory", "gpu_type", "priority", "max_running_minutes")
+SLURM_KEYS = ("partition", "time", "cpus_per_task", "mem", "account", "qos")
+RUN_KEYS = ("project", "experiment")
+
+SECTIONS: dict[str, tuple[str, ...] | None] = {
+    "description": None, "extends": None, "model": None, "hardware": HARDWARE_KEYS, "env": None,
+    "weights": WEIGHTS_KEYS, "data": DATA_KEYS, "recipe": None, "entry": None, "config_name": None,
+    "layout": LAYOUT_KEYS, "rollout": ROLLOUT_KEYS, "router": ROUTER_KEYS, "planner": None, "verl": None,
+    "dlc": DLC_KEYS, "slurm": SLURM_KEYS, "run": RUN_KEYS,
+}
+GPU_KINDS = ("cpu", "H100", "H200", "H20", "H800", "A100", "B200")
+RECOMPUTE = ("none", "selective", "full")
+WEIGHT_SOURCES = ("synthetic", "download")
+DATASETS = ("math_lighteval", "gsm8k")
+
+
+@dataclasses.dataclass
+class Preset:
+    """A resolved preset (``extends`` merged). ``files`` lists the files it was read from."""
+
+    name: str
+    path: Path
+    files: list[Path]
+    description: str
+    model: str
+    hardware: dict[str, Any]
+    env: str | None
+    weights: dict[str, Any]
+    data: dict[str, Any]
+    recipe: str | None
+    entry: str
+    config_name: str
+    layout: dict[str, Any]
+    rollout: dict[str, Any]
+    router: dict[str, Any]
+    planner: dict[str, Any] | bool
+    verl: dict[str, Any]
+    dlc: dict[str, Any]
+    slurm: dict[str, Any]
+    run: dict[str, Any]
+    recipe_data: dict[str, Any] | None = None
+    """the recipe file's content (``verl``, ``env``, ``steps``, ...) when ``recipe`` exists"""
+
+    @property
+    def nodes(self) -> int:
+        return int(self.hardware["nodes"])
+
+    @property
+    def gpus_per_node(self) -> int:
+        return int(self.hardware["gpus_per_node"])
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def is_cpu(self) -> bool:
+        return self.hardware["gpu"] == "cpu"
+
+    @property
+    def hardware_name(self) -> str:
+        return "cpu" if self.is_cpu else f"{self.world}x{self.hardware['gpu']}"
+
+    def recipe_path(self) -> Path | None:
+        if not self.recipe:
+            return None
+        p = Path(self.recipe)
+        return p if p.is_absolute() else (REPO / p)
+
+    def env_path(self) -> Path | None:
+        return (ENV_DIR / f"{self.env}.sh") if self.env else None
+
+
+def _read_yaml(path: Path) -> dict:
+    import yaml
+
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        raise PresetError(f"{path}: not valid YAML ({e})") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise PresetError(f"{path}: a preset is a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def deep_merge(base: dict, top: dict) -> dict:
+    """``top`` over ``base``: dicts merge key by key, anything else (lists too) is replaced."""
+    out = copy.deepcopy(base)
+    for k, v in top.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = deep_merge(out[k], v)
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
+
+
+def _check_keys(path: Path, data: dict) -> None:
+    for key, value in data.items():
+        if key not in SECTIONS:
+            raise PresetError(f"{path}: unknown section {key!r}{close(key, SECTIONS)} (allowed: {', '.join(SECTIONS)})")
+        allowed = SECTIONS[key]
+        if allowed is not None:
+            if not isinstance(value, dict):
+                raise PresetError(f"{path}: section {key!r} must be a mapping of {', '.join(allowed)}")
+            for sub in value:
+                if sub not in allowed:
+                    raise PresetError(f"{path}: unknown key {key}.{sub}{close(sub, allowed)} "
+                                      f"(allowed in {key}: {', '.join(allowed)})")
+
+
+def preset_file(name_or_path: str | os.PathLike) -> Path:
+    """Path of a preset given by name (``671b_512xH100``) or by file path."""
+    p = Path(name_or_path)
+    if p.suffix in (".yaml", ".yml") and p.is_file():
+        return p.resolve()
+    cand = PRESET_DIR / f"{name_or_path}.yaml"
+    if cand.is_file():
+        return cand
+    names = list_presets()
+    raise PresetError(f"unknown preset {str(name_or_path)!r}{close(str(name_or_path), names)} "
+                      f"(presets in {PRESET_DIR}: {', '.join(names)})")
+
+
+def list_presets() -> list[str]:
+    """Runnable presets (base files ``_*.yaml`` excluded), sorted by model then size."""
+    names = [p.stem for p in PRESET_DIR.glob("*.yaml") if not p.name.startswith("_")]
+    order = {"tiny": 0, "proxy": 1, "671b": 2}
+
+    def key(n: str):
+        model, _, hw = n.partition("_")
+        digits = "".join(c for c in hw.split("x")[0] if c.isdigit())
+        return (order.get(model, 9), int(digits) if digits else 0, n)
+
+    return sorted(names, key=key)
+
+
+def _load_raw(path: Path, seen: tuple[Path, ...] = ()) -> tuple[dict, list[Path]]:
+    if path in seen:
+        raise PresetError(f"{path}: 'extends' cycle through {' -> '.join(map(str, seen + (path,)))}")
+    data = _read_yaml(path)
+    _check_keys(path, data)
+    ext = data.pop("extends", None) or []
+    if isinstance(ext, str):
+        ext = [ext]
+    merged: dict = {}
+    files: list[Path] = []
+    for e in ext:
+        base = (path.parent / e).resolve()
+        if not base.is_file():
+            raise PresetError(f"{path}: extends {e!r} but {base} does not exist")
+        b, bf = _load_raw(base, seen + (path,))
+        merged = deep_merge(merged, b)
+        files += bf
+    return deep_merge(merged, data), files + [path]
+
+
+def read_recipe(path: Path) -> dict[str, Any]:
+    """A GRPO recipe (``examples/deepseek_v3/recipes/*.yaml``, issue #7's format) as a dict, read with the
+    recipe module's own loader (its schema and errors) when it is importable."""
+    try:
+        from dsv3_rl.grpo import recipe as recipe_mod
+    except ImportError:
+        recipe_mod = None
+    if recipe_mod is not None and hasattr(recipe_mod, "load"):
+        try:
+            rec = recipe_mod.load(path)
+        except Exception as e:  # noqa: BLE001  (RecipeError and friends)
+            raise PresetError(f"recipe {path}: {e}") from None
+        return {f.name: getattr(rec, f.name) for f in dataclasses.fields(rec)} if dataclasses.is_dataclass(rec) else dict(rec)
+    data = _read_yaml(path)
+    if not isinstance(data.get("verl", {}), dict):
+        raise PresetError(f"recipe {path}: 'verl' must be a mapping of verl config keys")
+    return data
+
+
+def _merge_recipe(where: str, data: dict, rec: dict, rpath: Path) -> None:
+    """Take model / layout / processes / data sizes from the recipe where the preset leaves them out;
+    where both give a value they must agree."""
+    def agree(section_key: str, mine, theirs):
+        if mine is not None and theirs is not None and mine != theirs:
+            raise PresetError(f"{where}: {section_key}={mine!r} but recipe {rpath} says {theirs!r}")
+
+    if rec.get("model") is not None:
+        agree("model", data.get("model"), rec["model"])
+        data.setdefault("model", rec["model"])
+    if rec.get("layout"):
+        lay = dict(data.get("layout") or {})
+        for k, v in rec["layout"].items():
+            agree(f"layout.{k}", lay.get(k), v)
+            lay.setdefault(k, v)
+        data["layout"] = lay
+    if rec.get("processes") is not None:
+        hw = dict(data.get("hardware") or {})
+        agree("hardware.gpus_per_node", hw.get("gpus_per_node"), rec["processes"])
+        hw.setdefault("gpus_per_node", rec["processes"])
+        data["hardware"] = hw
+    dat = dict(data.get("data") or {})
+    for k in ("train_size", "test_size"):
+        if (rec.get("data") or {}).get(k) is not None:
+            agree(f"data.{k}", dat.get(k), rec["data"][k])
+            dat.setdefault(k, rec["data"][k])
+    data["data"] = dat
+
+
+def load_preset(name_or_path: str | os.PathLike) -> Preset:
+    """Read, merge and check a preset. Raises :class:`PresetError` naming the file and key."""
+    path = preset_file(name_or_path)
+    data, files = _load_raw(path)
+    where = f"preset {path.stem} ({path})"
+    recipe_data = None
+    if data.get("recipe"):
+        rpath = Path(data["recipe"]) if os.path.isabs(data["recipe"]) else REPO / data["recipe"]
+        if rpath.is_file():
+            recipe_data = read_recipe(rpath)
+            _merge_recipe(where, data, recipe_data, rpath)
+    for req in ("model", "hardware", "layout"):
+        if req not in data:
+            raise PresetError(f"{where}: missing section {req!r}"
+                              + (f" (its recipe {data['recipe']} is not there to supply it)" if data.get("recipe") else ""))
+    from dsv3_rl.models import presets as model_presets
+
+    try:
+        model_presets.resolve(data["model"])
+    except KeyError as e:
+        raise PresetError(f"{where}: model: {e.args[0]}") from None
+    hw = dict(data["hardware"])
+    for k in ("gpu", "nodes", "gpus_per_node"):
+        if k not in hw:
+            raise PresetError(f"{where}: hardware.{k} is required")
+    if hw["gpu"] not in GPU_KINDS:
+        raise PresetError(f"{where}: hardware.gpu={hw['gpu']!r}{close(str(hw['gpu']), GPU_KINDS)} (allowed: {', '.join(GPU_KINDS)})")
+    for k in ("nodes", "gpus_per_node"):
+        if not isinstance(hw[k], int) or hw[k] < 1:
+            raise PresetError(f"{where}: hardware.{k}={hw[k]!r} must be an integer >= 1")
+    layout = dict(data["layout"])
+    rc = layout.get("recompute", "none")
+    if rc not in RECOMPUTE:
+        raise PresetError(f"{where}: layout.recompute={rc!r} (allowed: {', '.join(RECOMPUTE)})")
+    weights = dict(data.get("weights") or {})
+    weights.setdefault("source", "download")
+    if weights["source"] not in WEIGHT_SOURCES:
+        raise PresetError(f"{where}: weights.source={weights['source']!r} (allowed: {', '.join(WEIGHT_SOURCES)})")
+    weights.setdefault("name", data["model"])
+    weights.setdefault("fp8", "auto")
+    weights.setdefault("dist_ckpt", True)
+    if weights["fp8"] not in ("auto", True, False):
+        raise PresetError(f"{where}: weights.fp8={weights['fp8']!r} (allowed: auto, true, false)")
+    dat = dict(data.get("data") or {})
+    dat.setdefault("dataset", "math_lighteval")
+    if dat["dataset"] not in DATASETS:
+        raise PresetError(f"{where}: data.dataset={dat['dataset']!r} (allowed: {', '.join(DATASETS)})")
+    env = data.get("env")
+    if env and not (ENV_DIR / f"{env}.sh").is_file():
+        have = sorted(p.stem for p in ENV_DIR.glob("*.sh"))
+        raise PresetError(f"{where}: env={env!r}: no {ENV_DIR / (env + '.sh')}{close(env, have)} (have: {', '.join(have)})")
+    verl = data.get("verl") or {}
+    if not isinstance(verl, dict):
+        raise PresetError(f"{where}: section 'verl' must be a mapping in verl's config tree")
+    planner = data.get("planner", {})
+    if planner is None:
+        planner = {}
+    if not isinstance(planner, (dict, bool)):
+        raise PresetError(f"{where}: planner must be a mapping of dsv3_rl.planner.Options fields, or false")
+    run = dict(data.get("run") or {})
+    run.setdefault("project", "dsv3_grpo")
+    run.setdefault("experiment", path.stem)
+    return Preset(
+        name=path.stem, path=path, files=files, description=str(data.get("description", "")).strip(),
+        model=data["model"], hardware=hw, env=env, weights=weights, data=dat, recipe=data.get("recipe"),
+        entry=data.get("entry", "verl.trainer.main_ppo"), config_name=data.get("config_name", "ppo_megatron_trainer"),
+        layout=layout, rollout=dict(data.get("rollout") or {}), router=dict(data.get("router") or {}),
+        planner=planner, verl=verl, dlc=dict(data.get("dlc") or {}), slurm=dict(data.get("slurm") or {}), run=run,
+        recipe_data=recipe_data,
+    )

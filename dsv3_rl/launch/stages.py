@@ -1,0 +1,288 @@
+"""Pipeline stages before training, each skipped when its verified output exists.
+
+=========  ==========================================================================================
+weights    synthetic presets (tiny, proxy): ``python -m dsv3_rl.models.mini_model MODEL OUT``
+fp8_cast   FP8 release -> BF16: ``python -m dsv3_rl.checkpoint.fp8 cast IN OUT``; done when the tool's
+           manifest (``.dsv3-convert-manifest.json``) says complete for this input
+hf_config  config.json fix-ups (quantization_config, MTP, topk_method, ...):
+           ``python -m dsv3_rl.checkpoint.hf_config DIR``; done when ``--check`` finds nothing to change
+convert    HF -> megatron-core dist checkpoint: ``python -m dsv3_rl.convert hf-to-mcore --hf-dir HF --out MCORE``
+           (``CONVERT_NPROC=N``: under torchrun); done when its ``dsv3_convert.json`` says complete for this
+           source. verl then loads it with ``use_dist_checkpointing``
+data       dataset -> verl RL parquet: ``python -m dsv3_rl.data.<dataset> --input_dir RAW --local_dir OUT``
+=========  ==========================================================================================
+
+A stage that the launcher ran leaves ``.dsv3-launch-<stage>.json`` in its output directory: the exact
+command, and size + mtime of its inputs. The stage counts as done only when its outputs exist, the
+stage's own verification passes, and the marker matches the command it would run now (a changed input
+or option reruns it; the tools themselves resume and write atomically).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+FP8_MANIFEST = ".dsv3-convert-manifest.json"
+CONVERT_MANIFEST = "dsv3_convert.json"  # dsv3_rl.convert.weights.MANIFEST
+
+
+@dataclasses.dataclass
+class Stage:
+    name: str
+    needed: bool
+    why: str
+    argv: list[str]
+    out_dir: Path | None
+    outputs: list[Path]
+    inputs: list[Path]
+    verify: Callable[[], tuple[bool, str]] | None = None
+    error: str | None = None
+    """set when the stage cannot run (missing input, missing tool): the message says what to do"""
+    ran: bool = False
+
+    @property
+    def marker(self) -> Path | None:
+        return self.out_dir / f".dsv3-launch-{self.name}.json" if self.out_dir else None
+
+    def signature(self) -> dict:
+        sig = {}
+        for p in self.inputs:
+            p = Path(p)
+            if p.is_file():
+                st = p.stat()
+                sig[str(p)] = [st.st_size, st.st_mtime_ns]
+        return {"command": self.argv, "inputs": sig}
+
+    def status(self) -> tuple[str, str]:
+        """('skip'|'done'|'run'|'error', detail)."""
+        if not self.needed:
+            return "skip", self.why
+        if self.error:
+            return "error", self.error
+        missing = [str(p) for p in self.outputs if not Path(p).exists()]
+        if missing:
+            return "run", f"output missing: {missing[0]}"
+        if self.verify is not None:
+            ok, detail = self.verify()
+            if not ok:
+                return "run", detail
+            if self.marker is None or not self.marker.is_file():
+                return "done", f"verified ({detail})"
+        if self.marker is not None:
+            if not self.marker.is_file():
+                return "run", f"no marker {self.marker.name} (output not made by this launcher)"
+            try:
+                rec = json.loads(self.marker.read_text())
+            except (OSError, json.JSONDecodeError):
+                return "run", f"unreadable marker {self.marker}"
+            sig = self.signature()
+            if rec.get("command") != sig["command"]:
+                return "run", "options changed since the last run"
+            if rec.get("inputs") != sig["inputs"]:
+                return "run", "inputs changed since the last run"
+        return "done", "verified output exists"
+
+    def run(self, env: dict[str, str], log=print) -> None:
+        st, detail = self.status()
+        if st in ("skip", "done"):
+            log(f"[stage {self.name}] {st}: {detail}")
+            return
+        if st == "error":
+            raise StageError(f"stage {self.name}: {detail}")
+        log(f"[stage {self.name}] running ({detail}): {' '.join(self.argv)}")
+        t0 = time.monotonic()
+        rc = subprocess.call(self.argv, env=env)
+        if rc != 0:
+            raise StageError(f"stage {self.name} failed with exit status {rc}: {' '.join(self.argv)}")
+        if self.verify is not None:
+            ok, detail = self.verify()
+            if not ok:
+                raise StageError(f"stage {self.name} finished but its output does not verify: {detail}")
+        missing = [str(p) for p in self.outputs if not Path(p).exists()]
+        if missing:
+            raise StageError(f"stage {self.name} finished but did not write {missing[0]}")
+        if self.marker is not None:
+            self.marker.parent.mkdir(parents=True, exist_ok=True)
+            rec = {**self.signature(), "stage": self.name, "finished": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                   "seconds": round(time.monotonic() - t0, 1)}
+            tmp = self.marker.with_name(self.marker.name + f".tmp-{os.getpid()}")
+            tmp.write_text(json.dumps(rec, indent=1) + "\n")
+            os.replace(tmp, self.marker)
+        self.ran = True
+        log(f"[stage {self.name}] done in {time.monotonic() - t0:.1f}s")
+
+
+class StageError(RuntimeError):
+    pass
+
+
+def _py(*args: str) -> list[str]:
+    return [sys.executable, "-m", *args]
+
+
+def _has_weights(d: Path) -> bool:
+    return d.is_dir() and (any(d.glob("*.safetensors")) or (d / "model.safetensors.index.json").is_file())
+
+
+def read_config(d: Path) -> dict | None:
+    try:
+        return json.loads((Path(d) / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def is_fp8(model_dir: Path, preset_cfg: dict) -> bool:
+    """Does the checkpoint (or, before download, the model preset) carry FP8 weights?"""
+    cfg = read_config(model_dir)
+    if cfg is None:
+        cfg = preset_cfg
+    q = cfg.get("quantization_config") or {}
+    return q.get("quant_method") == "fp8"
+
+
+def module_available(name: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def build_stages(preset, paths, *, max_prompt_length: int | None, model_cfg: dict) -> list[Stage]:
+    """The stages for PRESET with PATHS (see :mod:`dsv3_rl.launch.run`)."""
+    from dsv3_rl.models import presets as model_presets
+
+    stages: list[Stage] = []
+    w = preset.weights
+    model_dir, hf_dir = Path(paths.model), Path(paths.hf)
+    model_name = model_presets.resolve(preset.model)
+
+    # weights ------------------------------------------------------------------------------------
+    synthetic = w["source"] == "synthetic"
+    st = Stage("weights", needed=synthetic, why="weights come from a download (MODEL_PATH)",
+               argv=_py("dsv3_rl.models.mini_model", model_name, str(model_dir), "--overwrite"),
+               out_dir=model_dir, outputs=[model_dir / "config.json"], inputs=[])
+    if synthetic:
+        st.verify = lambda d=model_dir: ((_has_weights(d), "weights present") if _has_weights(d)
+                                         else (False, f"no *.safetensors in {d}"))
+    elif not (model_dir / "config.json").is_file():
+        hint = w.get("download") or "download the checkpoint"
+        stages.append(Stage("download", needed=True, why="", argv=[], out_dir=None, outputs=[model_dir / "config.json"],
+                            inputs=[], error=f"MODEL_PATH={model_dir} has no config.json; {hint.format(path=model_dir)} "
+                                              f"(or set MODEL_PATH to the checkpoint)"))
+    stages.append(st)
+
+    # fp8 cast -----------------------------------------------------------------------------------
+    fp8 = w["fp8"] is True or (w["fp8"] == "auto" and is_fp8(model_dir, model_cfg))
+    st = Stage("fp8_cast", needed=fp8 and hf_dir != model_dir,
+               why="checkpoint is BF16 already" if not fp8 else "HF_PATH is MODEL_PATH",
+               argv=_py("dsv3_rl.checkpoint.fp8", "cast", str(model_dir), str(hf_dir)),
+               out_dir=None, outputs=[hf_dir / "config.json"], inputs=[model_dir / "config.json"])
+
+    def verify_cast(out=hf_dir, src=model_dir):
+        try:
+            man = json.loads((out / FP8_MANIFEST).read_text())
+        except (OSError, json.JSONDecodeError):
+            return False, f"no complete {FP8_MANIFEST} in {out}"
+        if not man.get("complete"):
+            return False, f"{out / FP8_MANIFEST} says incomplete (an interrupted cast resumes)"
+        if Path(man.get("input", "")).resolve() != src.resolve():
+            return False, f"{out} is a cast of {man.get('input')}, not of {src}"
+        return True, f"{FP8_MANIFEST} complete"
+
+    st.verify = verify_cast
+    if fp8 and hf_dir == model_dir:
+        st.needed, st.error = True, (f"{model_dir} holds FP8 weights but HF_PATH equals MODEL_PATH; set HF_PATH to a "
+                                     f"new directory for the BF16 cast")
+    stages.append(st)
+
+    # config fix-up --------------------------------------------------------------------------------
+    st = Stage("hf_config", needed=True, why="",
+               argv=_py("dsv3_rl.checkpoint.hf_config", str(hf_dir)),
+               out_dir=None, outputs=[hf_dir / "config.json"], inputs=[])
+
+    def verify_config(d=hf_dir):
+        """``hf_config --check`` (in-process: the same function the CLI calls)."""
+        if not (d / "config.json").is_file():
+            return False, f"{d / 'config.json'} missing"
+        try:
+            from dsv3_rl.checkpoint.hf_config import ConfigError, fix_checkpoint_config
+        except ImportError:
+            r = subprocess.run(_py("dsv3_rl.checkpoint.hf_config", str(d), "--check"), capture_output=True, text=True)
+            lines = (r.stdout + r.stderr).strip().splitlines()
+            return r.returncode == 0, "; ".join(lines[-3:]) or f"hf_config --check exit {r.returncode}"
+        try:
+            changes = fix_checkpoint_config(d, dry_run=True)
+        except ConfigError as e:
+            return False, f"config.json cannot be fixed: {e}"
+        if changes:
+            return False, f"config.json needs {len(changes)} fix-up(s): " + "; ".join(map(str, changes[:3]))
+        return True, "config.json acceptable to verl and vLLM"
+
+    st.verify = verify_config
+    stages.append(st)
+
+    # HF -> mcore --------------------------------------------------------------------------------
+    mcore = Path(paths.mcore)
+    st = Stage("convert", needed=bool(w.get("dist_ckpt")),
+               why="weights.dist_ckpt is false: verl loads the HF weights itself",
+               argv=convert_argv(hf_dir, mcore, int(os.environ.get("CONVERT_NPROC", "1") or 1)), out_dir=mcore, outputs=[mcore],
+               inputs=[hf_dir / "config.json", hf_dir / "model.safetensors.index.json", hf_dir / "model.safetensors"])
+
+    def verify_mcore(out=mcore, src=hf_dir):
+        try:
+            man = json.loads((out / CONVERT_MANIFEST).read_text())
+        except (OSError, json.JSONDecodeError):
+            return False, f"no {CONVERT_MANIFEST} in {out}"
+        if not man.get("complete") or man.get("direction") != "hf->mcore":
+            return False, f"{out / CONVERT_MANIFEST} is not a complete hf->mcore conversion"
+        if Path(man.get("source", "")).resolve() != src.resolve():
+            return False, f"{out} was converted from {man.get('source')}, not from {src}"
+        return True, f"{CONVERT_MANIFEST} complete, from {src.name}"
+
+    st.verify = verify_mcore
+    if st.needed and not module_available("dsv3_rl.convert.__main__"):
+        ok, _ = verify_mcore()
+        if not ok:
+            st.error = ("the HF->mcore converter CLI (python -m dsv3_rl.convert) is not in this checkout yet; set "
+                        "weights.dist_ckpt: false (verl loads the HF weights) or MCORE_PATH to an existing conversion")
+    stages.append(st)
+
+    # data -----------------------------------------------------------------------------------------
+    d = preset.data
+    raw, out = Path(paths.data_raw), Path(paths.data)
+    argv = _py(f"dsv3_rl.data.{d['dataset']}", "--input_dir", str(raw), "--local_dir", str(out))
+    for k in ("train_size", "test_size"):
+        if d.get(k):
+            argv += [f"--{k}", str(d[k])]
+    if d.get("length_filter") and max_prompt_length:
+        argv += ["--tokenizer", str(hf_dir), "--max_prompt_length", str(max_prompt_length)]
+    raw_files = sorted(raw.rglob("*.parquet")) if raw.is_dir() else []
+    st = Stage("data", needed=True, why="", argv=argv, out_dir=out,
+               outputs=[out / "train.parquet", out / "test.parquet", out / "prep_summary.json"], inputs=raw_files)
+    if not raw.is_dir():
+        st.error = (f"DATA_RAW={raw} does not exist; download it: modelscope download --dataset "
+                    f"AI-ModelScope/MATH-lighteval --local_dir {raw}  (or set DATA_RAW)")
+        if all(p.exists() for p in st.outputs):
+            st.error = None
+            st.verify = lambda: (True, "prepared data present (DATA_RAW absent: not re-verified)")
+            st.out_dir = None
+    stages.append(st)
+    return stages
+
+
+def convert_argv(hf_dir: Path, mcore_dir: Path, nproc: int = 1) -> list[str]:
+    """``python -m dsv3_rl.convert hf-to-mcore`` (under torchrun with NPROC > 1: the converter spreads its I/O
+    over the ranks; ``CONVERT_NPROC`` sets it)."""
+    args = ["dsv3_rl.convert", "hf-to-mcore", "--hf-dir", str(hf_dir), "--out", str(mcore_dir)]
+    if nproc > 1:
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", *args]
+    return _py(*args)

@@ -1,0 +1,323 @@
+"""verl's real Hydra config: compose it as ``python -m verl.trainer.main_ppo --config-name=...`` would,
+refuse unknown keys, and run what ``main_ppo`` and its workers validate before GPUs are allocated.
+
+* Composition uses verl's own ``verl/trainer/config`` directory and Hydra's compose API; the config is in
+  struct mode, so ``key=value`` on a key verl does not have is an error (Hydra's "Could not override").
+  The launcher reports it first, with the nearest existing keys and, for keys verl dropped, why
+  (``actor_rollout_ref.actor.megatron.grad_offload``: verl 0.9.1 has none; ``param_offload`` also
+  releases the gradient buffers).
+* ``+key=value`` (add) is accepted only below the free-form dicts verl forwards elsewhere
+  (``override_transformer_config`` -> Megatron's ``TransformerConfig``, ``override_optimizer_config`` ->
+  ``OptimizerConfig``, ``override_ddp_config`` -> ``DistributedDataParallelConfig``, ``engine_kwargs``,
+  reward kwargs, Ray init kwargs, and any dict that is empty in verl's defaults). Keys below the
+  Megatron ones are checked against the Megatron dataclass fields: verl itself only *warns* and drops an
+  unknown ``override_transformer_config`` key (``check_and_construct_configs``), so a misspelt recompute
+  or router setting would otherwise be silently ignored. ``++key=value`` is the unchecked escape hatch.
+* Validation: ``verl.utils.config.validate_config`` exactly as ``main_ppo.main`` calls it (this builds the
+  actor's ``McoreActorConfig`` and runs its ``validate``), then the dataclasses the workers build from the
+  resolved config (``RolloutConfig`` with its TP/DP/EP assertions, ``McoreEngineConfig`` for actor and
+  ref, the optimizer, checkpoint and algorithm configs), and ``HFModelConfig`` when the model exists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+from dsv3_rl.launch.overrides import Override, flatten, hydra_value
+from dsv3_rl.launch.presets import PresetError, close
+
+#: Dicts whose keys verl forwards as keyword arguments elsewhere; new keys need ``+``.
+OPEN_SUFFIXES = (
+    ".override_transformer_config", ".override_optimizer_config", ".override_ddp_config",
+    ".override_mcore_model_config", ".engine_kwargs", ".reward_kwargs", ".mbridge_config",
+)
+OPEN_PREFIXES = ("ray_kwargs.ray_init", "reward.custom_reward_function.reward_kwargs",
+                 "custom_reward_function.reward_kwargs", "actor_rollout_ref.model.override_config")
+
+#: verl keys that older examples use but verl 0.9.1 does not have, with what to use instead.
+REMOVED_KEYS = {
+    "grad_offload": "verl 0.9.1 has no megatron.grad_offload (its own DeepSeek-V3 example still passes it); "
+                    "param_offload=True also releases the gradient buffers while the engine is inactive",
+    "reward_model.reward_manager": "verl 0.9.1 moved it to reward.reward_manager.name",
+}
+
+#: Megatron dataclasses that verl builds from the open dicts (import path, class name).
+MEGATRON_TARGETS = {
+    ".override_transformer_config": ("megatron.core.transformer.transformer_config", "MLATransformerConfig"),
+    ".override_optimizer_config": ("megatron.core.optimizer.optimizer_config", "OptimizerConfig"),
+    ".override_ddp_config": ("megatron.core.distributed.distributed_data_parallel_config",
+                             "DistributedDataParallelConfig"),
+}
+
+
+class VerlConfigError(ValueError):
+    """The verl config cannot be composed or does not validate; the message names the key."""
+
+
+def verl_config_dir() -> Path:
+    """``verl/trainer/config`` of the installed verl, found without importing verl (which is slow)."""
+    spec = importlib.util.find_spec("verl")
+    if spec is None or not spec.submodule_search_locations:
+        raise VerlConfigError("verl is not installed in this environment (make setup installs verl 0.9.1 editable)")
+    d = Path(list(spec.submodule_search_locations)[0]) / "trainer" / "config"
+    if not d.is_dir():
+        raise VerlConfigError(f"verl's config directory {d} does not exist")
+    return d
+
+
+def verl_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("verl")
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+def compose(config_name: str, overrides: list[str]):
+    """verl's config with OVERRIDES applied (struct mode, interpolations unresolved)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        with initialize_config_dir(str(verl_config_dir()), version_base=None):
+            return hydra_compose(config_name=config_name, overrides=list(overrides))
+    except (HydraException, OmegaConfBaseException) as e:
+        msg = str(e).strip().splitlines()
+        raise VerlConfigError(f"verl {verl_version()} ({config_name}) refused the overrides: {' '.join(msg)}") from None
+
+
+@functools.lru_cache(maxsize=4)
+def base_config(config_name: str = "ppo_megatron_trainer"):
+    return compose(config_name, [])
+
+
+def _node(cfg, key: str):
+    """The OmegaConf node at KEY (no resolution), or None."""
+    from omegaconf import DictConfig
+
+    node = cfg
+    for part in key.split("."):
+        if not isinstance(node, DictConfig) or node._is_interpolation() or part not in node.keys():
+            return None  # (`in node` is False for '???' values; keys() lists them)
+        node = node._get_node(part)
+    return node
+
+
+def exists(cfg, key: str) -> bool:
+    return _node(cfg, key) is not None
+
+
+def is_open(cfg, key: str) -> bool:
+    """May KEY be added with ``+``: is it below a free-form dict of verl's config?"""
+    from omegaconf import DictConfig
+
+    parts = key.split(".")
+    for i in range(1, len(parts)):
+        prefix = ".".join(parts[:i])
+        if any(prefix.endswith(s) for s in OPEN_SUFFIXES) or prefix in OPEN_PREFIXES:
+            return True
+        node = _node(cfg, prefix)
+        if isinstance(node, DictConfig) and len(node) == 0 and not node._is_interpolation():
+            return True
+    return False
+
+
+def unknown_key_message(cfg, key: str, where: str) -> str:
+    """Why KEY is not a verl key, with the nearest ones."""
+    from omegaconf import DictConfig
+
+    parts = key.split(".")
+    i = 0
+    while i < len(parts) and exists(cfg, ".".join(parts[: i + 1])):
+        i += 1
+    parent = ".".join(parts[:i])
+    node = _node(cfg, parent) if parent else cfg
+    siblings = [str(k) for k in node.keys()] if isinstance(node, DictConfig) else []
+    missing = parts[i] if i < len(parts) else parts[-1]
+    msg = f"{where}: {key!r} is not a key of verl {verl_version()}'s config"
+    if parent:
+        msg += f" (no {missing!r} under {parent!r})"
+    msg += close(missing, siblings)
+    for k, why in REMOVED_KEYS.items():
+        if key.endswith(k):
+            msg += f". {why}"
+            break
+    if siblings and not close(missing, siblings):
+        shown = ", ".join(sorted(siblings)[:25])
+        msg += f"; keys under {parent or 'the root'}: {shown}{' ...' if len(siblings) > 25 else ''}"
+    return msg
+
+
+def tree_to_overrides(tree: dict, cfg, where: str) -> list[str]:
+    """Overrides for a nested dict in verl's key space: ``key=v`` for existing keys, ``+key=v`` below
+    free-form dicts; anything else is an error naming WHERE and the key."""
+    out = []
+    for key, value in flatten(tree):
+        if exists(cfg, key):
+            out.append(f"{key}={hydra_value(value)}")
+        elif is_open(cfg, key):
+            out.append(f"+{key}={hydra_value(value)}")
+        else:
+            raise PresetError(unknown_key_message(cfg, key, where))
+    return out
+
+
+def check_cli_overrides(overrides: list[Override], cfg) -> list[str]:
+    """Errors for command-line overrides verl would refuse or silently not read."""
+    errors = []
+    for o in overrides:
+        if o.prefix in ("++", "~") or o.is_group:
+            continue
+        if o.prefix == "":
+            if not exists(cfg, o.key):
+                errors.append(unknown_key_message(cfg, o.key, f"override {o.text!r}"))
+        elif o.prefix == "+":
+            if exists(cfg, o.key):
+                errors.append(f"override {o.text!r}: {o.key!r} already exists in verl's config; drop the '+'")
+            elif not is_open(cfg, o.key):
+                errors.append(unknown_key_message(cfg, o.key, f"override {o.text!r}")
+                              + "; '+' adds keys only below the dicts verl forwards (override_transformer_config, "
+                                "override_optimizer_config, engine_kwargs, ...); use '++' to add it unchecked")
+    return errors
+
+
+# ------------------------------------------------------------------------------- after composition
+
+
+def _megatron_fields(module: str, cls: str) -> set[str] | None:
+    try:
+        mod = importlib.import_module(module)
+    except Exception:  # noqa: BLE001  (megatron-core missing: cannot check)
+        return None
+    return {f.name for f in dataclasses.fields(getattr(mod, cls))}
+
+
+def check_open_dicts(cfg) -> list[str]:
+    """Keys under override_transformer_config / override_optimizer_config / override_ddp_config that the
+    Megatron dataclass does not have (verl would drop them with a warning, or fail after allocation)."""
+    from omegaconf import DictConfig, OmegaConf
+
+    errors = []
+    for section in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic"):
+        for suffix, (module, cls) in MEGATRON_TARGETS.items():
+            sub = "optim" + suffix if "optimizer" in suffix else "megatron" + suffix
+            key = f"{section}.{sub}"
+            node = _node(cfg, key)
+            if not isinstance(node, DictConfig) or node._is_interpolation() or len(node) == 0:
+                continue
+            fields = _megatron_fields(module, cls)
+            if fields is None:
+                errors.append(f"cannot check {key}: {module} does not import (is megatron-core installed?)")
+                continue
+            for k in OmegaConf.to_container(node, resolve=False):
+                if k not in fields:
+                    errors.append(f"{key}.{k}: not a field of megatron-core's {cls}{close(k, fields)}; verl would "
+                                  f"{'drop it with only a warning' if 'transformer' in suffix else 'fail after allocating GPUs'}")
+    return errors
+
+
+def need_ref_and_critic(cfg) -> tuple[bool, bool]:
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+
+    return bool(need_reference_policy(cfg)), bool(need_critic(cfg))
+
+
+#: Config nodes the workers turn into dataclasses (after ``OmegaConf.resolve``) before any model exists.
+WORKER_NODES = (
+    "actor_rollout_ref.rollout",
+    "actor_rollout_ref.actor.megatron",
+    "actor_rollout_ref.ref.megatron",
+    "actor_rollout_ref.actor.optim",
+    "actor_rollout_ref.actor.checkpoint",
+    "actor_rollout_ref.rollout.checkpoint_engine",
+    "algorithm",
+)
+
+
+def validate_like_main_ppo(cfg, *, model_exists: bool) -> list[str]:
+    """Run verl's own checks on a copy of CFG; return error messages (empty = passed)."""
+    import contextlib
+    import io
+
+    from omegaconf import OmegaConf
+
+    from verl.utils.config import omega_conf_to_dataclass, validate_config
+
+    errors: list[str] = []
+    cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
+    OmegaConf.set_struct(cfg, True)
+    try:
+        from verl.utils.device import auto_set_device
+
+        auto_set_device(cfg)
+    except Exception:  # noqa: BLE001  (device probing is informational here)
+        pass
+    use_ref, use_critic = need_ref_and_critic(cfg)
+    buf = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(buf):
+            validate_config(config=cfg, use_reference_policy=use_ref, use_critic=use_critic)
+    except Exception as e:  # noqa: BLE001  (verl raises AssertionError/ValueError/...)
+        errors.append(f"verl validate_config (as main_ppo runs it): {type(e).__name__}: {_one_line(e)}")
+    try:
+        OmegaConf.resolve(cfg)
+    except Exception as e:  # noqa: BLE001
+        errors.append(f"verl config does not resolve: {_one_line(e)}")
+        return errors
+    for key in WORKER_NODES:
+        node = OmegaConf.select(cfg, key)
+        if node is None:
+            continue
+        try:
+            omega_conf_to_dataclass(node)
+        except Exception as e:  # noqa: BLE001
+            msg = _one_line(e)
+            if not any(msg in prev or _core(msg) in prev for prev in errors):  # validate_config said it already
+                errors.append(f"{key}: verl's {_target(node)} rejects it: {msg}")
+    if model_exists:
+        try:
+            with contextlib.redirect_stdout(buf):
+                omega_conf_to_dataclass(cfg.actor_rollout_ref.model)
+        except Exception as e:  # noqa: BLE001
+            errors.append(f"actor_rollout_ref.model: verl's HFModelConfig cannot load {cfg.actor_rollout_ref.model.path}: "
+                          f"{_one_line(e)}")
+    return errors
+
+
+def _core(msg: str) -> str:
+    """The assertion text inside an InstantiationException message."""
+    import re
+
+    m = re.search(r"(\w+Error\(.*?\))", msg)
+    return m.group(1) if m else msg
+
+
+def _target(node) -> str:
+    try:
+        return str(node.get("_target_", "config")).rpartition(".")[2]
+    except Exception:  # noqa: BLE001
+        return "config"
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip()
+    if hasattr(e, "__cause__") and e.__cause__ is not None and len(text) < 20:
+        text = f"{text} {e.__cause__}"
+    return " ".join(text.split())[:600]
+
+
+def select(cfg, key: str, default: Any = None) -> Any:
+    """Resolved value at KEY or DEFAULT."""
+    from omegaconf import OmegaConf
+
+    v = OmegaConf.select(cfg, key, default=default)
+    if hasattr(v, "_is_none") or type(v).__name__ in ("DictConfig", "ListConfig"):
+        return OmegaConf.to_container(v, resolve=True)
+    return v

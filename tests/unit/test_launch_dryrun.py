@@ -1,0 +1,208 @@
+"""Every preset dry-runs against verl 0.9.1's real Hydra config, and planted faults are caught.
+
+The dry run composes ``ppo_megatron_trainer`` with the preset's overrides exactly as ``main_ppo`` would,
+runs verl's ``validate_config`` and the worker dataclasses, the launcher's parallel/model checks and the
+planner. Inputs are real but small: the shipped MATH sample, a config-only DeepSeek-V3 checkpoint (config
++ tokenizer, no weights) written by ``mini_model``, and a dist-checkpoint manifest standing in for the
+converter's output.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from dsv3_rl.launch import run as launch_run
+from dsv3_rl.launch.presets import REPO, PresetError, list_presets, load_preset
+from dsv3_rl.launch.stages import CONVERT_MANIFEST
+from dsv3_rl.launch.verl_config import VerlConfigError
+
+pytestmark = pytest.mark.slow  # imports verl + megatron-core once (~20 s), then a few seconds per preset
+
+SAMPLE = REPO / "examples" / "deepseek_v3" / "data" / "MATH-lighteval-sample"
+
+
+@pytest.fixture(scope="module")
+def dsv3_config_only(tmp_path_factory) -> Path:
+    from dsv3_rl.models.mini_model import write_mini_model
+
+    out = tmp_path_factory.mktemp("ckpt") / "DeepSeek-V3-0324-BF16"
+    write_mini_model("deepseek-v3", out)  # config.json + tokenizer only (671B: config only)
+    return out
+
+
+def environ_for(preset: str, tmp: Path, dsv3_cfg: Path) -> dict[str, str]:
+    """A run environment whose inputs exist: the sample dataset, the 671B config, a converted checkpoint."""
+    env = {"WORK_DIR": str(tmp / preset), "DATA_RAW": str(SAMPLE), "MCORE_PATH": str(tmp / preset / "mcore")}
+    p = load_preset(preset)
+    if p.weights["source"] == "download":
+        env["MODEL_PATH"] = str(dsv3_cfg)
+    paths = launch_run.resolve_paths(p, env, {})
+    mc = Path(env["MCORE_PATH"])
+    mc.mkdir(parents=True, exist_ok=True)
+    (mc / CONVERT_MANIFEST).write_text(json.dumps({"complete": True, "direction": "hf->mcore", "source": str(paths.hf)}))
+    return env
+
+
+def errors(launch):
+    return [f for f in launch.findings if f.level == "error"]
+
+
+RECIPE_DTYPE = "dtype float32 not supported"
+
+
+@pytest.mark.parametrize("preset", list_presets())
+def test_every_preset_dry_runs_clean(preset, tmp_path, dsv3_config_only):
+    try:
+        load_preset(preset)
+    except PresetError as e:
+        if "recipe" in str(e):
+            pytest.skip(f"{preset}: its recipe is not in this checkout ({e})")
+        raise
+    launch = launch_run.resolve(preset, [], environ_for(preset, tmp_path, dsv3_config_only))
+    errs = errors(launch)
+    if preset == "tiny_cpu" and errs and all(RECIPE_DTYPE in f.message for f in errs):
+        pytest.xfail("issue #7's recipe sets actor.megatron.dtype=float32, which verl 0.9.1's McoreEngineConfig "
+                     "rejects ('dtype float32 not supported') until a verl patch allows fp32 on CPU")
+    assert errs == [], "\n".join(map(str, errs))
+    assert launch.argv[1:4] == ["-m", launch.preset.entry, f"--config-name={launch.preset.config_name}"]
+    s = launch.sizes
+    assert s.world == launch.preset.world
+    if not launch.preset.is_cpu:  # the planner ran and the layout fits
+        assert any(f.check == "planner" and f.level == "info" and f.message.startswith("fits") for f in launch.findings), \
+            [str(f) for f in launch.findings if f.check == "planner"]
+
+
+def test_671b_command_carries_the_rl_settings(tmp_path, dsv3_config_only):
+    launch = launch_run.resolve("671b_512xH100", [], environ_for("671b_512xH100", tmp_path, dsv3_config_only))
+    assert errors(launch) == []
+    cmd = launch.argv
+    otc = "+actor_rollout_ref.actor.megatron.override_transformer_config."
+    for item in ("moe_router_num_groups=8", "moe_router_group_topk=4", "moe_router_bias_update_rate=0.0",
+                 "moe_router_load_balancing_type=none", "moe_aux_loss_coeff=0.0", "moe_router_dtype=fp32",
+                 "num_layers_in_first_pipeline_stage=4", "num_layers_in_last_pipeline_stage=1"):
+        assert otc + item in cmd, item
+    for item in ("actor_rollout_ref.actor.megatron.override_transformer_config.recompute_granularity=selective",
+                 "actor_rollout_ref.actor.megatron.override_transformer_config.recompute_modules=[mla_up_proj,core_attn,mlp]",
+                 "actor_rollout_ref.actor.megatron.use_distributed_optimizer=true",
+                 "actor_rollout_ref.actor.megatron.use_dist_checkpointing=true",
+                 "actor_rollout_ref.ref.megatron.use_dist_checkpointing=true",
+                 "actor_rollout_ref.actor.megatron.param_offload=true",
+                 "actor_rollout_ref.rollout.tensor_model_parallel_size=8",
+                 "actor_rollout_ref.rollout.gpu_memory_utilization=0.7",
+                 "trainer.resume_mode=auto", "trainer.nnodes=64", "trainer.logger=[console,tensorboard,wandb]"):
+        assert item in cmd, item
+    assert launch.env["WANDB_MODE"] == "offline" and launch.env["TENSORBOARD_DIR"].startswith(str(launch.paths.logs))
+    assert f"trainer.default_local_dir={launch.paths.ckpt}" in cmd
+    # the checkpoint exists (config only), so verl's HFModelConfig was built from it too
+    assert launch.model_src.endswith("config.json")
+
+
+def test_user_overrides_pass_through_and_replace_preset_values(tmp_path, dsv3_config_only):
+    env = environ_for("proxy_8xH100", tmp_path, dsv3_config_only)
+    launch = launch_run.resolve("proxy_8xH100", ["data.train_batch_size=128", "trainer.total_training_steps=3",
+                                                 "+actor_rollout_ref.actor.megatron.override_transformer_config.moe_router_dtype=fp64"],
+                                env)
+    cmd = launch.argv
+    assert "data.train_batch_size=128" in cmd and "data.train_batch_size=64" not in cmd
+    assert "+actor_rollout_ref.actor.megatron.override_transformer_config.moe_router_dtype=fp64" in cmd
+    assert sum("moe_router_dtype" in a for a in cmd) == 1
+    from omegaconf import OmegaConf
+
+    assert OmegaConf.select(launch.cfg, "trainer.total_training_steps") == 3
+
+
+# ------------------------------------------------------------------------------ planted faults
+
+
+def test_fault_removed_verl_key_grad_offload():
+    with pytest.raises(VerlConfigError, match=r"grad_offload.*did you mean.*offload.*param_offload=True also releases"):
+        launch_run.resolve("671b_96xH20", ["actor_rollout_ref.actor.megatron.grad_offload=true"])
+
+
+def test_fault_misspelt_verl_key():
+    with pytest.raises(VerlConfigError, match=r"data.train_batch_sise.*did you mean 'train_batch_size'"):
+        launch_run.resolve("proxy_8xH100", ["data.train_batch_sise=64"])
+    with pytest.raises(VerlConfigError, match=r"'\+' adds keys only below"):
+        launch_run.resolve("proxy_8xH100", ["+trainer.save_frequency=5"])
+
+
+@pytest.mark.parametrize("overrides, pattern", [
+    (["actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=12"],
+     r"\[layers_vs_pp\] num_hidden_layers=61 minus first/last stage layers 4/1 leaves 56 layers for 10 middle stages"),
+    (["trainer.nnodes=63"], r"\[gpus_vs_tp_pp_dp\] 504 GPUs \(63 nodes x 8\) are not divisible by TP\*PP\*CP = 8\*16\*1 = 128"),
+    (["actor_rollout_ref.actor.megatron.expert_model_parallel_size=48"], r"\[experts_vs_ep\] n_routed_experts=256 .* EP=48"),
+    (["actor_rollout_ref.rollout.expert_parallel_size=32"], r"expert_parallel_size must be equal to tensor_model_parallel_size"),
+    (["+actor_rollout_ref.actor.megatron.override_transformer_config.recompute_granulrity=full"],
+     r"recompute_granulrity: not a field of megatron-core's MLATransformerConfig; did you mean 'recompute_granularity'"),
+    (["+actor_rollout_ref.actor.megatron.override_transformer_config.moe_router_group_topk=2"],
+     r"\[router\] .*moe_router_group_topk=2 but the model's config gives 4"),
+    (["actor_rollout_ref.actor.ppo_mini_batch_size=48"], r"\[batch\] data.train_batch_size=256 is not divisible by"),
+    (["data.max_response_length=200000"], r"\[seq_vs_positions\] .* > the model's max_position_embeddings=163840"),
+])
+def test_fault_is_caught_with_its_values(overrides, pattern, tmp_path, dsv3_config_only):
+    launch = launch_run.resolve("671b_512xH100", overrides, environ_for("671b_512xH100", tmp_path, dsv3_config_only))
+    errs = [str(f) for f in errors(launch)]
+    assert any(re.search(pattern, e) for e in errs), errs
+
+
+def test_fault_layout_that_does_not_fit_is_a_planner_warning(tmp_path, dsv3_config_only):
+    # GPU optimizer without offload on 96 H20s: the planner says it does not fit (a warning, not an error)
+    oo = "+actor_rollout_ref.actor.optim.override_optimizer_config."
+    launch = launch_run.resolve("671b_96xH20", ["actor_rollout_ref.actor.megatron.param_offload=false",
+                                                "actor_rollout_ref.actor.megatron.optimizer_offload=false",
+                                                oo + "optimizer_cpu_offload=false", oo + "optimizer_offload_fraction=0.0"],
+                                environ_for("671b_96xH20", tmp_path, dsv3_config_only))
+    plan = [f for f in launch.findings if f.check == "planner"]
+    assert plan and plan[0].level == "warning" and "DOES NOT FIT" in plan[0].message, [str(f) for f in plan]
+
+
+def test_missing_inputs_are_errors_that_say_what_to_do(tmp_path):
+    launch = launch_run.resolve("671b_512xH100", [], {"WORK_DIR": str(tmp_path)})
+    msgs = [str(f) for f in errors(launch)]
+    assert any("[stage:download]" in m and "modelscope download --model deepseek-ai/DeepSeek-V3-0324" in m for m in msgs), msgs
+    assert any("[stage:data]" in m and "AI-ModelScope/MATH-lighteval" in m for m in msgs), msgs
+
+
+def test_cli_dry_run_exit_status(tmp_path, dsv3_config_only, capsys, monkeypatch):
+    from dsv3_rl.launch.cli import main
+
+    for k, v in environ_for("proxy_16xH20", tmp_path, dsv3_config_only).items():
+        monkeypatch.setenv(k, v)
+    assert main(["--preset", "proxy_16xH20", "--dry-run", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "dry run proxy_16xH20: OK" in out and "TP2 PP2 EP8 ETP1 DP4" in out
+    assert main(["--preset", "proxy_16xH20", "--dry-run", "--quiet", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=3"]) == 1
+    assert "heads_vs_tp" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:  # a misspelt launcher option is not taken for an override
+        main(["--preset", "proxy_16xH20", "--dry-run", "--dryrun"])
+    assert e.value.code == 2
+
+
+def test_stages_run_for_real_then_skip(tmp_path):
+    """tiny model, for real: weights (mini_model) -> config check -> HF->mcore (dsv3_rl.convert) -> data prep
+    (length filter with the model's tokenizer); a second launch finds every output verified and skips them."""
+    from dsv3_rl.launch.cli import execute
+
+    preset = tmp_path / "tiny_stages_1xH100.yaml"
+    preset.write_text(f"extends: {REPO / 'examples/deepseek_v3/presets/_tiny.yaml'}\n"
+                      "hardware: {gpu: H100, nodes: 1, gpus_per_node: 1}\nlayout: {tp: 1}\nrollout: {tp: 1}\n"
+                      "data: {train_size: 16, test_size: 4, length_filter: true}\n")
+    env = {"WORK_DIR": str(tmp_path / "work"), "PATH": __import__("os").environ["PATH"]}
+    launch = launch_run.resolve(str(preset), [], env, validate=False)
+    assert [s.status()[0] for s in launch.stages] == ["run", "skip", "run", "run", "run"]
+    assert execute(launch, stages_only=True) == 0
+    data = launch.paths.data
+    import pandas as pd
+
+    assert len(pd.read_parquet(data / "train.parquet")) == 16 and (data / ".dsv3-launch-data.json").is_file()
+    again = launch_run.resolve(str(preset), [], env, validate=False)
+    assert (launch.paths.mcore / CONVERT_MANIFEST).is_file()
+    assert f"actor_rollout_ref.actor.megatron.dist_checkpointing_path={launch.paths.mcore}" in launch.argv
+    assert [s.status()[0] for s in again.stages] == ["done", "skip", "done", "done", "done"], \
+        [s.status() for s in again.stages]
+    changed = launch_run.resolve(str(preset), ["data.max_prompt_length=128"], env, validate=False)
+    assert changed.stages[-1].status() == ("run", "options changed since the last run")

@@ -1,0 +1,173 @@
+"""Launcher presets, override formatting and the structural checks (no verl import; fast).
+
+Every check that must catch a bad layout has a planted-fault twin next to the passing case.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from dsv3_rl.launch import checks
+from dsv3_rl.launch.overrides import flatten, hydra_value, parse_overrides, set_dotted, shell_join
+from dsv3_rl.launch.presets import PRESET_DIR, PresetError, list_presets, load_preset
+from dsv3_rl.models import presets as model_presets
+
+EXPECTED = {"tiny_cpu", "tiny_1xH100", "proxy_1xH100", "proxy_8xH100", "proxy_16xH20", "671b_96xH20", "671b_512xH100"}
+
+
+def test_every_preset_loads_and_names_model_and_hardware():
+    names = list_presets()
+    assert EXPECTED <= set(names), names
+    assert not any(n.startswith("_") for n in names)
+    for n in names:
+        p = load_preset(n)
+        model_presets.resolve(p.model)
+        assert p.world >= 1 and p.layout, n
+        # recipes are named after the hardware they were checked on
+        assert n.split("_", 1)[1] == ("cpu" if p.is_cpu else p.hardware_name), n
+
+
+def test_671b_presets_carry_the_rl_settings():
+    for n in ("671b_96xH20", "671b_512xH100"):
+        p = load_preset(n)
+        assert p.router == {"bias_update_rate": 0.0, "load_balancing_type": "none", "aux_loss_coeff": 0.0,
+                            "router_dtype": "fp32"}
+        m = p.verl["actor_rollout_ref"]["actor"]["megatron"]
+        assert m["use_distributed_optimizer"] is True and m["param_offload"] is True and m["optimizer_offload"] is True
+        assert p.weights["dist_ckpt"] is True
+        assert p.layout.get("first_stage_layers") or p.layout.get("last_stage_layers")  # uneven stages (61 layers)
+        assert "tp" in p.rollout and "gpu_memory_utilization" in p.rollout
+    sel = load_preset("671b_512xH100").layout
+    assert sel["recompute"] == "selective" and set(sel["recompute_modules"]) == {"mla_up_proj", "core_attn", "mlp"}
+
+
+def _write(tmp: Path, name: str, text: str) -> Path:
+    p = tmp / name
+    p.write_text(textwrap.dedent(text))
+    return p
+
+
+def test_unknown_section_and_key_are_errors(tmp_path):
+    base = f"extends: {PRESET_DIR / '_grpo_math.yaml'}\nmodel: tiny\nhardware: {{gpu: H100, nodes: 1, gpus_per_node: 1}}\n"
+    ok = _write(tmp_path, "ok.yaml", base + "layout: {tp: 1}\n")
+    assert load_preset(ok).layout == {"tp": 1}
+    bad = _write(tmp_path, "bad.yaml", base + "layuot: {tp: 1}\n")
+    with pytest.raises(PresetError, match=r"unknown section 'layuot'.*did you mean 'layout'"):
+        load_preset(bad)
+    bad2 = _write(tmp_path, "bad2.yaml", base + "layout: {tp: 1, pipline: 2}\n")
+    with pytest.raises(PresetError, match=r"layout.pipline.*allowed in layout"):
+        load_preset(bad2)
+    bad3 = _write(tmp_path, "bad3.yaml", base.replace("H100", "H1OO") + "layout: {tp: 1}\n")
+    with pytest.raises(PresetError, match=r"hardware.gpu='H1OO'"):
+        load_preset(bad3)
+
+
+def test_unknown_preset_names_the_choices():
+    with pytest.raises(PresetError, match=r"671b_512xH100"):
+        load_preset("671b_512xh100")
+
+
+def test_extends_cycle_is_an_error(tmp_path):
+    _write(tmp_path, "a.yaml", "extends: b.yaml\n")
+    _write(tmp_path, "b.yaml", "extends: a.yaml\n")
+    with pytest.raises(PresetError, match="cycle"):
+        load_preset(tmp_path / "a.yaml")
+
+
+def test_recipe_supplies_model_and_layout_and_conflicts_are_errors(tmp_path):
+    rec = _write(tmp_path, "r.yaml", """\
+        model: tiny-vllm
+        layout: {tp: 2, pp: 1, ep: 2, etp: 1}
+        processes: 2
+        steps: 2
+        data: {train_size: 8, test_size: 4}
+        verl: {data: {train_batch_size: 4}}
+        """)
+    ok = _write(tmp_path, "p.yaml", f"recipe: {rec}\nhardware: {{gpu: cpu, nodes: 1}}\n")
+    p = load_preset(ok)
+    assert p.model == "tiny-vllm" and p.layout["tp"] == 2 and p.gpus_per_node == 2 and p.data["train_size"] == 8
+    assert p.recipe_data["verl"]["data"]["train_batch_size"] == 4
+    bad = _write(tmp_path, "q.yaml", f"recipe: {rec}\nhardware: {{gpu: cpu, nodes: 1}}\nlayout: {{tp: 1}}\n")
+    with pytest.raises(PresetError, match=r"layout.tp=1 but recipe .* says 2"):
+        load_preset(bad)
+
+
+def test_cpu_preset_consumes_the_grpo_recipe():
+    p = load_preset("tiny_cpu")
+    if p.recipe_data is None:
+        pytest.skip("examples/deepseek_v3/recipes/grpo_tiny_cpu.yaml not in this checkout")
+    assert p.recipe_path().name == "grpo_tiny_cpu.yaml"
+    assert p.model == p.recipe_data["model"] and p.gpus_per_node == p.recipe_data["processes"]
+    assert not p.verl  # nothing duplicated from the recipe
+
+
+# ---------------------------------------------------------------------------------- overrides
+
+
+@pytest.mark.parametrize("value", ["671b_512xH100", "Et|(tt|)*30L", "a b", "it's", "1e5", "123", "true", "null", "",
+                                   "/a/b-c.d", "~/x", 1e-6, 0.0, 3, True, None, [1, "a b", None], {"x": 1, "y": "q r"}])
+def test_hydra_value_round_trips_through_hydras_parser(value):
+    (o,) = parse_overrides([f"k={hydra_value(value)}"])
+    assert o.value == value and type(o.value) is type(value)
+
+
+def test_flatten_and_set_dotted():
+    t: dict = {}
+    set_dotted(t, "a.b.c", 1)
+    set_dotted(t, "a.d", [1, 2])
+    set_dotted(t, "e", {})
+    assert flatten(t) == [("a.b.c", 1), ("a.d", [1, 2]), ("e", {})]
+    assert "\\\n" in shell_join(["python", "-m", "x", "a=1", "b='c d'"])
+
+
+# ------------------------------------------------------------------------------------- checks
+
+DSV3 = {"model_type": "deepseek_v3", **model_presets.preset_kwargs("deepseek-v3")}
+
+
+def sizes(**kw) -> checks.Sizes:
+    d = dict(world=512, nnodes=64, gpus_per_node=8, tp=8, pp=16, ep=32, etp=1, cp=1, vpp=None, first=4, last=1,
+             pipeline_layout=None, rollout_tp=8, rollout_dp=8, rollout_ep=64, rollout_pp=1)
+    d.update(kw)
+    return checks.Sizes(**d)
+
+
+def errors(findings, check=None):
+    return [f for f in findings if f.level == "error" and (check is None or f.check == check)]
+
+
+def test_parallel_checks_pass_on_the_512_gpu_layout():
+    assert errors(checks.check_parallel(DSV3, sizes())) == []
+    assert sizes().dp == 4
+
+
+@pytest.mark.parametrize("kw, check, text", [
+    (dict(first=None, last=None), "layers_vs_pp", r"num_hidden_layers=61 is not divisible by PP=16.*first/last = "),
+    (dict(first=4, last=2), "layers_vs_pp", r"leaves 55 layers for 14 middle stages"),
+    (dict(pp=64, first=None, last=None), "layers_vs_pp", r"PP=64 pipeline stages for num_hidden_layers=61"),
+    (dict(ep=48), "experts_vs_ep", r"n_routed_experts=256 is not divisible by EP=48"),
+    (dict(tp=3), "heads_vs_tp", r"num_attention_heads=128 is not divisible by TP=3"),
+    (dict(world=500, nnodes=125, gpus_per_node=4), "gpus_vs_tp_pp_dp", r"500 GPUs .* TP\*PP\*CP = 8\*16\*1 = 128"),
+    (dict(ep=64, pp=16, world=512), "gpus_vs_ep", r"ETP\*EP\*PP = 1\*64\*16 = 1024"),
+    (dict(rollout_tp=1024, rollout_dp=1, rollout_ep=1), "rollout_vs_gpus", r"1024 GPUs but there are 512"),
+    (dict(rollout_tp=16, rollout_dp=3, rollout_ep=1), "rollout_vs_gpus", r"not divisible by the vLLM engine size .* = 48"),
+    (dict(rollout_ep=32), "rollout_ep", r"rollout EP=32 must equal rollout TP\*DP = 64"),
+])
+def test_parallel_checks_planted_faults_name_the_values(kw, check, text):
+    errs = errors(checks.check_parallel(DSV3, sizes(**kw)), check)
+    assert errs, f"{kw}: expected a {check} error"
+    assert any(__import__("re").search(text, e.message) for e in errs), [e.message for e in errs]
+
+
+def test_uneven_pipeline_suggestions_are_valid_splits():
+    import re
+
+    (err,) = errors(checks.check_pipeline(61, sizes(first=None, last=None)))
+    pairs = re.findall(r"(\d+)/(\d+) \(", err.message)
+    assert pairs, err.message
+    for f, last in pairs:  # every suggested split passes the same check ...
+        assert errors(checks.check_pipeline(61, sizes(first=int(f), last=int(last)))) == [], (f, last)
+    assert errors(checks.check_pipeline(61, sizes(first=5, last=1)))  # ... and a wrong one does not
