@@ -189,10 +189,8 @@ def _split(units: list[tuple[list[str], int]], n: int) -> list[list[str]]:
 def write_mini_model(preset: str, out_dir: str | os.PathLike, seed: int = 0, dtype: str = "bf16", fmt: str = "hf",
                      shards: int | None = None, overrides: dict[str, Any] | None = None,
                      overwrite: bool = False) -> Path:
-    """Write a DeepSeek-V3-architecture checkpoint of PRESET to OUT_DIR (see module doc); returns OUT_DIR."""
-    from dsv3_rl.checkpoint import fp8_kernels as K
-    from dsv3_rl.checkpoint.safetensors_io import ShardWriter, itemsize, st_dtype
-
+    """Write a DeepSeek-V3-architecture checkpoint of PRESET to OUT_DIR (see module doc); returns OUT_DIR.
+    Built in a temporary sibling directory and renamed into place when complete."""
     name = presets.resolve(preset)
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r} (allowed: {', '.join(FORMATS)})")
@@ -202,13 +200,25 @@ def write_mini_model(preset: str, out_dir: str | os.PathLike, seed: int = 0, dty
         raise ValueError("the fp8-release format stores its non-FP8 tensors in bf16; use --dtype bf16")
     kwargs = presets.preset_kwargs(name, overrides)
     out = Path(out_dir)
-    if out.exists() and any(out.iterdir()):
-        if not overwrite:
-            raise FileExistsError(f"{out} exists and is not empty (pass overwrite=True / --overwrite)")
-        shutil.rmtree(out)
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise FileExistsError(f"{out} exists and is not empty (pass overwrite=True / --overwrite)")
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    try:
+        _write(name, kwargs, tmp, seed, dtype, fmt, shards)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out.exists():  # replaced only once the new one is complete
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return out
+
+
+def _write(name: str, kwargs: dict[str, Any], tmp: Path, seed: int, dtype: str, fmt: str, shards: int | None) -> None:
+    from dsv3_rl.checkpoint import fp8_kernels as K
+    from dsv3_rl.checkpoint.safetensors_io import ShardWriter, itemsize, st_dtype
 
     mtp = max(1, kwargs.get("num_nextn_predict_layers", 0)) if fmt == "fp8-release" else 0
     if fmt == "hf":
@@ -269,10 +279,6 @@ def write_mini_model(preset: str, out_dir: str | os.PathLike, seed: int = 0, dty
         if len(files) > 1:
             index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    if out.exists():
-        out.rmdir()
-    os.replace(tmp, out)
-    return out
 
 
 def _parse_set(items: list[str]) -> dict[str, Any]:

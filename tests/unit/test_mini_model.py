@@ -362,3 +362,15 @@ def test_cli(tmp_path, capsys):
     assert json.loads((tmp_path / "y" / "config.json").read_text())["num_hidden_layers"] == 2
     assert mini_model.main(["tiny", str(tmp_path / "y")]) == 2  # not empty, no --overwrite
     assert "not empty" in capsys.readouterr().err
+
+
+def test_failed_overwrite_keeps_the_old_model(tmp_path, tiny_hf):
+    import shutil
+
+    out = tmp_path / "keep"
+    shutil.copytree(tiny_hf, out)
+    before = _digest(out)
+    with pytest.raises(ValueError, match="cannot split"):
+        write_mini_model("tiny", out, shards=10_000, overwrite=True)
+    assert _digest(out) == before
+    assert [p.name for p in tmp_path.iterdir()] == ["keep"]  # no temporary directory left
