@@ -155,7 +155,6 @@ def execute(launch, *, stages_only: bool = False, skip_stages: bool = False, joi
     # (Ray >= 2.5x enables it by default, but a token made on one node is unknown to the others).
     if "RAY_AUTH_MODE" not in env:
         env["RAY_AUTH_MODE"] = "token" if env.get("RAY_AUTH_TOKEN") else "disabled"
-    os.environ.update({k: v for k, v in env.items() if k.startswith("RAY_")})
     try:
         info = platform.parse(env)
     except platform.PlatformError as e:
@@ -180,9 +179,12 @@ def execute(launch, *, stages_only: bool = False, skip_stages: bool = False, joi
             st.run(env)
 
     def _term(signum, frame):
-        raise SystemExit(128 + signum)
+        raise SystemExit(128 + signum)  # unwinds through `finally`: Ray nodes are stopped
 
-    signal.signal(signal.SIGTERM, _term)
+    old_term = signal.signal(signal.SIGTERM, _term)
+    ray_env = {k: v for k, v in env.items() if k.startswith("RAY_")}  # for this process's own ray.init
+    old_env = {k: os.environ.get(k) for k in ray_env}
+    os.environ.update(ray_env)
     log_dir = launch.paths.logs / "ray"
     try:
         if nnodes == 1:
@@ -213,6 +215,13 @@ def execute(launch, *, stages_only: bool = False, skip_stages: bool = False, joi
     except (StageError, ray_cluster.RayClusterError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    finally:
+        signal.signal(signal.SIGTERM, old_term)
+        for k, v in old_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 # ---------------------------------------------------------------------------------------- listing

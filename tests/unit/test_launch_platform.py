@@ -196,3 +196,59 @@ def test_fp8_and_convert_stages_trust_the_tools_manifests(tmp_path):
     (mcore / CONVERT_MANIFEST).write_text(json.dumps({"complete": True, "direction": "hf->mcore", "source": "/x"}))
     by = {s.name: s for s in build_stages(p, paths, max_prompt_length=2048, model_cfg={})}
     assert by["convert"].status()[0] in ("run", "error")
+
+
+# ------------------------------------------------------------------------ multi-node dispatch
+
+
+class _FakeLaunch:
+    """What cli.execute reads from a resolved launch."""
+
+    def __init__(self, tmp: Path, nnodes: int = 2, gpn: int = 8):
+        from types import SimpleNamespace
+
+        self.sizes = SimpleNamespace(nnodes=nnodes, gpus_per_node=gpn)
+        self.preset = SimpleNamespace(is_cpu=False, hardware_name=f"{nnodes * gpn}xH100")
+        self.paths = SimpleNamespace(logs=tmp)
+        self.stages = []
+        self.argv = [sys.executable, "-m", "verl.trainer.main_ppo", "--config-name=ppo_megatron_trainer"]
+
+    def full_env(self):
+        return dict(self._env)
+
+
+def _execute(monkeypatch, tmp_path, env, **kw):
+    from dsv3_rl.launch import cli, ray_cluster
+
+    calls = {}
+    monkeypatch.setattr(ray_cluster, "run_head", lambda spec, n, e, before, cmd, t, log_path=None: calls.update(
+        head=(spec, n, cmd, e)) or 0)
+    monkeypatch.setattr(ray_cluster, "run_worker", lambda spec, e, t, log_path=None: calls.update(worker=(spec, e)) or 0)
+    monkeypatch.setattr(ray_cluster, "resolve_host", lambda h: "10.1.2.3")
+    launch = _FakeLaunch(tmp_path, **kw)
+    launch._env = env
+    for k in [k for k in __import__("os").environ if k.startswith(("RAY_", "MLP_", "SLURM_"))]:
+        monkeypatch.delenv(k, raising=False)
+    rc = cli.execute(launch)
+    return rc, calls
+
+
+def test_execute_makes_rank0_the_head_and_others_workers(monkeypatch, tmp_path):
+    env = {**DLC, "WORLD_SIZE": "2", "RANK": "0"}
+    rc, calls = _execute(monkeypatch, tmp_path, env)
+    spec, n, cmd, e = calls["head"]
+    assert rc == 0 and spec.head and spec.port == 6379 and spec.num_gpus == 8 and n == 2 and cmd[2] == "verl.trainer.main_ppo"
+    assert e["RAY_AUTH_MODE"] == "disabled"  # no shared token: Ray's default token auth would lock workers out
+    rc, calls = _execute(monkeypatch, tmp_path, {**env, "RANK": "1", "RAY_AUTH_TOKEN": "ab" * 32})
+    spec, e = calls["worker"]
+    assert rc == 0 and not spec.head and spec.head_addr == "10.1.2.3" and e["RAY_AUTH_MODE"] == "token"
+
+
+def test_execute_refuses_a_job_of_the_wrong_size(monkeypatch, tmp_path, capsys):
+    rc, calls = _execute(monkeypatch, tmp_path, {**DLC, "WORLD_SIZE": "3", "RANK": "0"})
+    assert rc == 2 and not calls
+    assert "the job has 3 node(s) (dlc) but the run needs trainer.nnodes=2" in capsys.readouterr().err
+    rc, calls = _execute(monkeypatch, tmp_path, {**DLC, "WORLD_SIZE": "2", "RANK": "0",
+                                                 "KUBERNETES_CONTAINER_RESOURCE_GPU": "4"})
+    assert rc == 2 and not calls
+    assert "this node has 4 GPUs" in capsys.readouterr().err
