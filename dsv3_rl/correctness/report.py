@@ -1,0 +1,104 @@
+"""The report, in the format of the MLA/MoE test guide (``PASS: <component> - Max diff: ..., Avg diff: ...``,
+sections, ``Overall Result``), one block per layout, then a summary table; plus a JSON twin."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+from dsv3_rl.correctness.compare import Check, Tolerance
+
+SECTION_TITLES = [
+    ("Config", "Checking Configuration"),
+    ("Layout", "Checking Layout Plumbing"),
+    ("MLA", "Checking Multi-Latent Attention (MLA)"),
+    ("MOE", "Checking Mixture of Experts (MOE)"),
+    ("MLP", "Checking Dense MLP"),
+    ("Layer", "Checking Layer Outputs"),
+    ("Final", "Checking Final Output"),
+    ("Gradients", "Checking Gradients"),
+]
+
+
+@dataclasses.dataclass
+class LayoutResult:
+    layout: str
+    description: str
+    checks: list[Check]
+    seconds: float = 0.0
+    log_tail: str = ""
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.checks) and all(c.passed for c in self.checks)
+
+    def worst(self, section_filter) -> float | None:
+        vals = [c.value for c in self.checks if section_filter(c.section) and c.value is not None and c.metric != "agreement"]
+        return max(vals) if vals else None
+
+
+def _fmt(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2e}"
+
+
+def format_layout(r: LayoutResult, reference: str, debug: bool = False) -> str:
+    lines = [f"===== Layout {r.description} vs {reference} =====", "", "============= Testing Results ============="]
+    for section, title in SECTION_TITLES:
+        cs = [c for c in r.checks if c.section == section]
+        if not cs:
+            continue
+        lines.append(f"--- {title} ---")
+        lines += [c.line() for c in cs]
+        lines.append("")
+    if r.log_tail and (debug or not r.passed):
+        lines += ["--- worker log (tail) ---", r.log_tail.rstrip(), ""]
+    lines += ["============= Overall Result =============", "PASS" if r.passed else "FAIL", ""]
+    return "\n".join(lines)
+
+
+def format_header(meta: dict, tol: Tolerance) -> str:
+    lines = [
+        "Testing with configuration:",
+        f"  - Model: {meta['hf_model_path']}",
+        f"  - Number of layers: {meta['num_layers']} (dense: {meta['dense_layers']}, MoE: {meta['moe_layers']})",
+        f"  - Hidden size: {meta['hidden_size']}",
+        f"  - Number of attention heads: {meta['num_heads']}",
+        f"  - Number of experts: {meta['num_experts']} (top-{meta['topk']}, {meta['n_group']} groups, top-{meta['topk_group']} groups)",
+        f"  - Batch: {meta['batch_size']} sequences x {meta['seq_length']} tokens, micro-batch size {meta['micro_batch_size']}",
+        f"  - Candidate dtype: {meta['dtype']}; reference: {meta['reference']}",
+        f"  - Backend: {meta['backend']}",
+    ]
+    if meta.get("fault"):
+        lines.append(f"  - PLANTED FAULT: {meta['fault']} ({meta['fault_description']})")
+    lines += [f"Tolerances ({meta['dtype']}): {tol.describe()}", f"  ({tol.note})", ""]
+    return "\n".join(lines)
+
+
+def format_summary(results: list[LayoutResult]) -> str:
+    head = f"{'layout':<16} {'checks':>6} {'failed':>6} {'worst act rel':>13} {'worst grad rel':>14} {'seconds':>8}  result"
+    lines = ["============= Summary =============", head]
+    for r in results:
+        failed = sum(not c.passed for c in r.checks)
+        act = r.worst(lambda s: s in ("MLA", "MOE", "MLP", "Layer", "Final"))
+        grad = r.worst(lambda s: s == "Gradients")
+        lines.append(f"{r.layout:<16} {len(r.checks):>6} {failed:>6} {_fmt(act):>13} {_fmt(grad):>14} {r.seconds:>8.1f}  "
+                     f"{'PASS' if r.passed else 'FAIL'}")
+    overall = bool(results) and all(r.passed for r in results)
+    lines += ["", "============= Overall Result =============", "PASS" if overall else "FAIL"]
+    return "\n".join(lines)
+
+
+def write_json(path: Path, meta: dict, tol: Tolerance, results: list[LayoutResult]) -> None:
+    doc = {
+        "meta": meta,
+        "tolerance": dataclasses.asdict(tol),
+        "overall": "PASS" if results and all(r.passed for r in results) else "FAIL",
+        "layouts": [{"layout": r.layout, "description": r.description, "result": "PASS" if r.passed else "FAIL",
+                     "seconds": r.seconds, "checks": [c.to_json() for c in r.checks]} for r in results],
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+    os.replace(tmp, path)
