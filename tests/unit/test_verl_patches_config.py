@@ -1,0 +1,258 @@
+"""verl 0.9.1 patches for DeepSeek-V3 (patches/verl/0.9.1/0001-*): verl's own
+``hf_to_mcore_config_dpskv3`` on the real 671B config and the tiny preset, against the project's
+mapping; its pristine version (the planted fault) loses yarn and group-limited routing.
+
+And verl's run-time megatron monkeypatch (``verl.models.mcore.patch.apply_patch``, called by
+``hf_to_mcore_config_dpskv3`` and ``megatron_utils``): on megatron-core 0.16.1 it replaces
+``MultiLatentAttention.forward`` but not ``MLASelfAttention.get_query_key_value_tensors`` (verl only
+swaps that in for megatron < 0.13), so our megatron patch 0003 (rope-key gradient summed over TP)
+stays in force. Shown by TP2 grads == TP1 grads through verl's patched forward, and a twin with
+patch 0003 reversed that must fail.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from dsv3_rl.backends import BASELINE_TAG, git, load_lock
+
+REPO = Path(__file__).resolve().parents[2]
+VERL = load_lock()["verl"]
+MCORE = load_lock()["megatron-core"]
+pytestmark = pytest.mark.skipif(not (VERL.path().exists() and MCORE.path().exists()),
+                                reason="backends not fetched (make setup)")
+
+# DeepSeek-V3 / V3-0324 / R1 config.json as published (hub format: rope_scaling + rope_theta), as the
+# FP8 -> BF16 cast leaves it (no quantization_config) and with num_nextn_predict_layers=0, which
+# verl's own assertion asks for ("MTP is not supported for now").
+DSV3_671B = {
+    "architectures": ["DeepseekV3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "aux_loss_alpha": 0.001, "bos_token_id": 0, "eos_token_id": 1, "ep_size": 1, "first_k_dense_replace": 3,
+    "hidden_act": "silu", "hidden_size": 7168, "initializer_range": 0.02, "intermediate_size": 18432,
+    "kv_lora_rank": 512, "max_position_embeddings": 163840, "model_type": "deepseek_v3", "moe_intermediate_size": 2048,
+    "moe_layer_freq": 1, "n_group": 8, "n_routed_experts": 256, "n_shared_experts": 1, "norm_topk_prob": True,
+    "num_attention_heads": 128, "num_experts_per_tok": 8, "num_hidden_layers": 61, "num_key_value_heads": 128,
+    "num_nextn_predict_layers": 0, "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+    "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "seq_aux": True,
+    "tie_word_embeddings": False, "topk_group": 4, "topk_method": "noaux_tc", "torch_dtype": "bfloat16",
+    "use_cache": True, "v_head_dim": 128, "vocab_size": 129280,
+}
+
+# Fields owned by the model mapping (dsv3_rl.convert.config_map); verl sets the engine ones.
+MAPPED = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "layernorm_epsilon",
+          "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "qk_layernorm",
+          "rope_type", "rotary_base", "rotary_scaling_factor", "original_max_position_embeddings", "beta_fast",
+          "beta_slow", "mscale", "mscale_all_dim", "num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size",
+          "moe_shared_expert_intermediate_size", "moe_layer_freq", "moe_router_score_function",
+          "moe_router_enable_expert_bias", "moe_router_topk_scaling_factor", "moe_router_num_groups",
+          "moe_router_group_topk", "moe_router_bias_update_rate", "moe_router_load_balancing_type",
+          "moe_aux_loss_coeff", "moe_router_dtype", "add_bias_linear", "gated_linear_unit", "normalization")
+
+
+@pytest.fixture
+def megatron_single():
+    """Megatron parallel state for one process; verl's apply_patch() monkeypatches are undone after."""
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention, MultiLatentAttention
+
+    from dsv3_rl.convert.config_map import Parallel
+    from dsv3_rl.mcore import runtime
+
+    saved_env = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    saved = (MultiLatentAttention.forward, MLASelfAttention.get_query_key_value_tensors)
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    runtime.init_distributed(Parallel())
+    try:
+        yield
+    finally:
+        MultiLatentAttention.forward, MLASelfAttention.get_query_key_value_tensors = saved
+        runtime.destroy()
+        for k, v in saved_env.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+
+
+def hf_config_from_json(tmp_path: Path, cfg: dict):
+    from transformers import AutoConfig
+
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return AutoConfig.from_pretrained(tmp_path)
+
+
+def verl_dpskv3(hf_config, **overrides):
+    from verl.models.mcore.config_converter import hf_to_mcore_config_dpskv3
+
+    return hf_to_mcore_config_dpskv3(hf_config, torch.bfloat16, **overrides)
+
+
+def test_verl_dpskv3_config_real_671b(megatron_single, tmp_path):
+    tc = verl_dpskv3(hf_config_from_json(tmp_path, DSV3_671B))
+    want = dict(
+        num_layers=61, hidden_size=7168, ffn_hidden_size=18432, num_attention_heads=128, q_lora_rank=1536,
+        kv_lora_rank=512, qk_head_dim=128, qk_pos_emb_head_dim=64, v_head_dim=128, qk_layernorm=True,
+        rope_type="yarn", rotary_base=10000.0, rotary_scaling_factor=40.0, original_max_position_embeddings=4096,
+        beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0, layernorm_epsilon=1e-6,
+        num_moe_experts=256, moe_router_topk=8, moe_ffn_hidden_size=2048, moe_shared_expert_intermediate_size=2048,
+        moe_layer_freq=[0] * 3 + [1] * 58, moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+        moe_router_topk_scaling_factor=2.5, moe_router_num_groups=8, moe_router_group_topk=4,
+        moe_router_bias_update_rate=0.0, moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+        moe_router_dtype="fp32", mtp_num_layers=0,
+        # verl's engine settings are kept
+        moe_grouped_gemm=True, variable_seq_lengths=True, bias_activation_fusion=True,
+    )
+    got = {k: getattr(tc, k) for k in want}
+    assert got == want, {k: (got[k], want[k]) for k in want if got[k] != want[k]}
+
+
+def test_verl_dpskv3_config_tiny_matches_mapping(megatron_single):
+    from dsv3_rl.convert.config_map import Parallel, RouterSettings, hf_to_mcore_kwargs
+    from dsv3_rl.models.presets import hf_config
+
+    cfg = hf_config("tiny")
+    cfg.architectures = ["DeepseekV3ForCausalLM"]
+    tc = verl_dpskv3(cfg)
+    ref = hf_to_mcore_kwargs(cfg, Parallel(), RouterSettings(), torch.bfloat16)
+    diff = {k: (getattr(tc, k), ref[k]) for k in MAPPED if getattr(tc, k) != ref[k]}
+    assert not diff, diff
+    assert (tc.moe_router_num_groups, tc.moe_router_group_topk, tc.rotary_scaling_factor) == (4, 2, 4.0)
+    # RL router settings are explicit choices: override_transformer_config still wins
+    tc = verl_dpskv3(cfg, moe_router_bias_update_rate=1e-3)
+    assert tc.moe_router_bias_update_rate == 1e-3
+
+
+def test_verl_dpskv3_config_refuses_what_megatron_cannot_express(megatron_single, tmp_path):
+    from dsv3_rl.convert.config_map import UnsupportedConfigError
+
+    bad = dict(DSV3_671B, topk_group=2)  # 8 // 2 = 4 per group: megatron's group score differs from HF's top-2
+    with pytest.raises(UnsupportedConfigError, match="topk_group"):
+        verl_dpskv3(hf_config_from_json(tmp_path, bad))
+
+
+def _pristine_config_converter():
+    """verl 0.9.1's own config_converter.py, from the pristine baseline, as a module."""
+    src = git(VERL.path(), "show", f"{BASELINE_TAG}:verl/models/mcore/config_converter.py").stdout
+    spec = importlib.util.spec_from_loader("verl.models.mcore._pristine_config_converter", loader=None)
+    mod = importlib.util.module_from_spec(spec)
+    mod.__package__ = "verl.models.mcore"
+    exec(compile(src, "pristine verl/models/mcore/config_converter.py", "exec"), mod.__dict__)
+    return mod
+
+
+def test_pristine_verl_dpskv3_config_loses_yarn_and_groups(megatron_single, tmp_path):
+    """Planted-fault twin: without patch 0001 the same call drops yarn and group routing, and trains the router."""
+    tc = _pristine_config_converter().hf_to_mcore_config_dpskv3(hf_config_from_json(tmp_path, DSV3_671B), torch.bfloat16)
+    assert (tc.rope_type, tc.rotary_scaling_factor) == ("rope", 1)
+    assert (tc.moe_router_num_groups, tc.moe_router_group_topk) == (None, None)
+    assert tc.moe_router_bias_update_rate == 0.001 and tc.moe_router_load_balancing_type == "seq_aux_loss"
+
+
+def test_verl_apply_patch_keeps_megatron_rope_key_fix(megatron_single):
+    """On megatron-core 0.16.1 verl swaps in its forward but keeps megatron's (patched)
+    get_query_key_value_tensors; if a verl update replaces it too, patch 0003's fix must be carried there."""
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention, MultiLatentAttention
+    from verl.models.mcore.patch import apply_patch
+
+    qkv, fwd = MLASelfAttention.get_query_key_value_tensors, MultiLatentAttention.forward
+    apply_patch()
+    assert MLASelfAttention.get_query_key_value_tensors is qkv
+    assert MultiLatentAttention.forward is not fwd and MultiLatentAttention.forward.__module__ == "verl.models.mcore.patch"
+    assert "copy_to_tensor_model_parallel_region(k_pos_emb" in __import__("inspect").getsource(qkv)
+
+
+# --------------------------------------------------------------------------- TP2 grads through verl's apply_patch()
+
+WRAPPER = textwrap.dedent('''\
+    import sys
+
+    if __name__ == "__main__":  # megatron's checkpoint writer spawns processes that import this file
+        from verl.models.mcore.patch import apply_patch
+
+        apply_patch()
+        from megatron.core.transformer.multi_latent_attention import MultiLatentAttention
+
+        assert MultiLatentAttention.forward.__module__ == "verl.models.mcore.patch", "verl's forward is not installed"
+        from dsv3_rl.mcore.layout_check import main
+
+        sys.exit(main())
+''')
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _layout(cfg: Path, weights: Path, out: Path, args: list[str], nproc: int, script: Path, init: bool = False,
+            pythonpath: Path | None = None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1")
+    if pythonpath:
+        env["PYTHONPATH"] = f"{pythonpath}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={_free_port()}",
+           str(script), "--hf-config", str(cfg), "--weights", str(weights), "--out", str(out), *args]
+    if init:
+        cmd.append("--init")
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=REPO)
+
+
+def _grad_errors(cfg: Path, a: Path, b: Path) -> dict[str, float]:
+    from transformers import AutoConfig
+
+    from dsv3_rl.mcore.layout_check import load_full
+
+    hf = AutoConfig.from_pretrained(cfg)
+    ga, gb = load_full(hf, a), load_full(hf, b)
+    return {k: float((ga[k] - gb[k]).norm() / ga[k].norm().clamp_min(1e-30)) for k in ga}
+
+
+@pytest.fixture(scope="module")
+def verl_ref(tmp_path_factory):
+    from dsv3_rl.models.presets import hf_config
+
+    d = tmp_path_factory.mktemp("verl_tp")
+    hf_config("tiny").save_pretrained(d / "hf")
+    script = d / "with_verl_patch.py"
+    script.write_text(WRAPPER)
+    r = _layout(d / "hf", d / "weights", d / "tp1", [], 1, script, init=True)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return d, script
+
+
+@pytest.mark.slow
+def test_verl_apply_patch_tp2_grads_equal_tp1(verl_ref, tmp_path):
+    d, script = verl_ref
+    r = _layout(d / "hf", d / "weights", tmp_path, ["--tp", "2"], 2, script)
+    assert r.returncode == 0, r.stderr[-4000:]
+    errs = _grad_errors(d / "hf", d / "tp1" / "grads", tmp_path / "grads")
+    assert max(errs.values()) < 1e-5, sorted(errs.items(), key=lambda kv: -kv[1])[:5]
+    assert any("linear_kv_down_proj" in k for k in errs)
+
+
+@pytest.mark.slow
+def test_verl_apply_patch_planted_fault_rope_key_fix_reverted(verl_ref, tmp_path):
+    """Same run with megatron patch 0003 reversed (scratch copy): the rope rows' grads go wrong under verl too."""
+    d, script = verl_ref
+    from dsv3_rl.patching import lint
+
+    patch = {p.name: p for p in lint(MCORE, headers=False)}["0003-mla-rope-key-grad-sum-over-tp.patch"]
+    shutil.copytree(MCORE.path() / "megatron", tmp_path / "tree" / "megatron", ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    r = subprocess.run(["git", "apply", "-R", str(patch.path)], cwd=tmp_path / "tree", capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    r = _layout(d / "hf", d / "weights", tmp_path / "out", ["--tp", "2"], 2, script, pythonpath=tmp_path / "tree")
+    assert r.returncode == 0, r.stderr[-4000:]
+    errs = _grad_errors(d / "hf", d / "tp1" / "grads", tmp_path / "out" / "grads")
+    hit = {k: v for k, v in errs.items() if "linear_kv_down_proj" in k}
+    assert hit and max(hit.values()) > 1e-3, hit
