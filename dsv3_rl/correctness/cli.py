@@ -76,7 +76,7 @@ def _parse_set(items: list[str]) -> dict:
     return out
 
 
-def _quiet() -> None:
+def quiet() -> None:
     """Keep the report readable: upstream deprecation chatter and download bars are not results."""
     import warnings
 
@@ -94,7 +94,7 @@ def _quiet() -> None:
 def main(argv: list[str] | None = None) -> int:
     from dsv3_rl.correctness import faults, layouts
 
-    _quiet()
+    quiet()
 
     ap = argparse.ArgumentParser(prog="python -m dsv3_rl.correctness", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)

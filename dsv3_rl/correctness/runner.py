@@ -107,6 +107,14 @@ def launch(spec: dict, log_dir: Path, nproc: int, pythonpath: Path | None, timeo
     return r
 
 
+def _free_gpu() -> None:
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def _tail(text: str, n: int = 30) -> str:
     lines = [ln for ln in (text or "").splitlines() if "warn" not in ln.lower() and ln.strip()]
     return "\n".join(lines[-n:])
@@ -240,10 +248,12 @@ class Suite:
             model = load_hf(self.hf_path, torch.float32, overrides, dev)
             self._refs[key] = run_reference(model, self.batch, self.o.micro_batch_size)
             del model
+            _free_gpu()
             if self.o.calibrate and not key:
                 model = load_hf(self.hf_path, torch.bfloat16, overrides, dev)
                 rec, info, grads = run_reference(model, self.batch, self.o.micro_batch_size)
                 del model
+                _free_gpu()
                 ref_rec, ref_info, ref_grads = self._refs[key]
                 checks = (compare.compare_records(rec, ref_rec, self.tol) + compare.compare_loss(info, ref_info, self.tol)
                           + compare.compare_grads(grads, ref_grads, self.tol))

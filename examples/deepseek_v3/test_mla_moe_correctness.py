@@ -23,6 +23,9 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 
 def main(argv: list[str] | None = None) -> int:
+    from dsv3_rl.correctness.cli import quiet
+
+    quiet()
     from dsv3_rl.correctness import faults, layouts
     from dsv3_rl.correctness.runner import Options, run_suite
 
@@ -58,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
                 seq_length=a.test_seq_length, micro_batch_size=a.micro_batch_size, fault=a.plant_fault,
                 work=a.work, keep_work=a.keep_work, debug=a.debug, json_out=a.json_out, weights=a.weights,
                 preset=a.preset, calibrate=a.calibrate)
-    print("Creating a test script for validating MLA/MOE implementation...", flush=True)
+    print(f"Validating the MLA/MoE implementation: megatron-core at {lay.describe()} vs HuggingFace ...", flush=True)
     try:
         return run_suite(o, out=lambda s: print(s, flush=True))
     except ValueError as e:
