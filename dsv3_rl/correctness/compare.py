@@ -292,6 +292,7 @@ def compare_grads(cand: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], t
                 wrel = g["layer_rel"]
             if g["fail"]:
                 detail = f"{len(g['fail'])} failing, e.g. {', '.join(g['fail'][:3])}"
-            checks.append(Check("Gradients", f"{g['label']} grads ({g['n']} tensors)", not g["fail"], g["max"],
+            n = f"{g['n']} tensor{'s' if g['n'] != 1 else ''}"
+            checks.append(Check("Gradients", f"{g['label']} grads ({n})", not g["fail"], g["max"],
                                 g["sum"] / max(1, g["numel"]), "worst rel", wrel, tol.grad_rel, detail))
     return checks
