@@ -36,58 +36,6 @@ T_START = time.time()
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def _feed(chunks: list, mine: list[dict]) -> list[dict]:
-    """The micro-batches in the order the schedule asks for them. ``runtime.forward_backward``
-    hands every model chunk the same iterator, and the interleaved (virtual pipeline) schedule
-    calls the forward step of chunk c for micro-batch m in the order of megatron's own
-    ``get_schedule_table``: feed exactly that sequence."""
-    if len(chunks) == 1:
-        return mine
-    from megatron.core.pipeline_parallel.schedules import get_schedule_table
-
-    from dsv3_rl.mcore.runtime import unwrap
-
-    cfg = unwrap(chunks[0]).config
-    group = cfg.microbatch_group_size_per_vp_stage or cfg.pipeline_model_parallel_size
-    return [mine[m] for m, _chunk in get_schedule_table(len(mine), len(chunks), group)]
-
-
-def _sharded(chunks: list) -> dict:
-    """Sharded state dict of this rank's chunk(s). Virtual-pipeline chunks are nested under
-    ``model0``, ``model1``, ... like Megatron-LM's checkpoints: their dict keys are *local* layer
-    names (``decoder.layers.0`` in every chunk) and would overwrite each other in one flat dict
-    (the ShardedTensors inside carry the global names, which is what dist_checkpointing stores)."""
-    from dsv3_rl.mcore.runtime import unwrap
-
-    mods = [unwrap(c) for c in chunks]
-    if len(mods) == 1:
-        return mods[0].sharded_state_dict()
-    return {f"model{i}": m.sharded_state_dict() for i, m in enumerate(mods)}
-
-
-def load_weights(chunks: list, path: Path) -> None:
-    from megatron.core import dist_checkpointing
-
-    from dsv3_rl.mcore.runtime import unwrap
-
-    sd = dist_checkpointing.load(_sharded(chunks), str(path))
-    mods = [unwrap(c) for c in chunks]
-    per_chunk = [sd] if len(mods) == 1 else [sd[f"model{i}"] for i in range(len(mods))]
-    for i, (m, part) in enumerate(zip(mods, per_chunk, strict=True)):
-        own = {k: v for k, v in part.items() if k in m.state_dict(keep_vars=False)}
-        missing, _ = m.load_state_dict(own, strict=False)
-        missing = [k for k in missing if not k.endswith("_extra_state")]
-        if missing:
-            raise RuntimeError(f"checkpoint {path} lacks (chunk {i}) {missing[:5]}{'...' if len(missing) > 5 else ''}")
-
-
-def save(chunks: list, path: Path) -> None:
-    from megatron.core import dist_checkpointing
-
-    path.mkdir(parents=True, exist_ok=True)
-    dist_checkpointing.save(_sharded(chunks), str(path))
-
-
 def run_job(spec: dict, job: dict, batch: dict) -> None:
     from megatron.core import parallel_state as ps
     from transformers import AutoConfig
@@ -95,7 +43,7 @@ def run_job(spec: dict, job: dict, batch: dict) -> None:
     from dsv3_rl.correctness.data import micro_batches
     from dsv3_rl.correctness.hooks import MCoreCapture
     from dsv3_rl.correctness.layouts import Layout
-    from dsv3_rl.mcore import runtime
+    from dsv3_rl.mcore import layout_check, runtime
 
     out = Path(job["out"])
     layout = Layout(**job["layout"])
@@ -106,7 +54,7 @@ def run_job(spec: dict, job: dict, batch: dict) -> None:
     runtime.init_distributed(parallel, seed=1234)
     chunks = runtime.build_model(hf_config, parallel, dtype=DTYPES[spec["dtype"]],
                                  config_overrides=job.get("config_overrides") or None)
-    load_weights(chunks, Path(job["weights"]))
+    layout_check.load(chunks, Path(job["weights"]))
     chunks = runtime.wrap_ddp(chunks)
     if layout.moe_tp_without_sp:
         # MoELayer.forward refuses MoE + TP without SP in training mode (a performance guard, not a
@@ -119,7 +67,7 @@ def run_job(spec: dict, job: dict, batch: dict) -> None:
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     mine = micro_batches(batch, mbs, dp_rank, dp)
     seq = batch["tokens"].shape[1]
-    result = runtime.forward_backward(chunks, _feed(chunks, mine), len(mine), seq, mbs)
+    result = runtime.forward_backward(chunks, mine, len(mine), seq, mbs)
     capture.remove()
 
     rank = torch.distributed.get_rank()
@@ -133,7 +81,7 @@ def run_job(spec: dict, job: dict, batch: dict) -> None:
     os.replace(tmp, out / "acts" / f"rank{rank}.pt")
 
     with runtime.grads_as_data(chunks):
-        save(chunks, out / "grads")
+        layout_check.save(chunks, out / "grads")
     torch.distributed.barrier()
     if rank == 0:
         (out / "done.json").write_text(json.dumps({"layout": layout.name, "world": torch.distributed.get_world_size()}))

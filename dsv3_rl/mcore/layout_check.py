@@ -41,16 +41,14 @@ def make_batches(vocab: int, num_microbatches: int, micro_batch_size: int, seq_l
 
 
 def sharded_state_dict(chunks: list[torch.nn.Module]) -> dict:
-    """Model sharded state dict; with several virtual-pipeline chunks keys are prefixed like
-    Megatron-LM's checkpoints (``model0.``, ``model1.``)."""
+    """Sharded state dict of this rank's model chunk(s). Virtual-pipeline chunks are nested under
+    ``model0``, ``model1``, ... like Megatron-LM's checkpoints: their dict keys are *local* layer
+    names (``decoder.layers.0`` in every chunk) and would overwrite each other in one flat dict;
+    the ShardedTensors inside carry the global names, which is what dist_checkpointing stores."""
     mods = [runtime.unwrap(c) for c in chunks]
     if len(mods) == 1:
         return mods[0].sharded_state_dict()
-    # Virtual pipeline chunks own disjoint layers; their sharded keys already carry global layer ids.
-    merged = {}
-    for m in mods:
-        merged.update(m.sharded_state_dict())
-    return merged
+    return {f"model{i}": m.sharded_state_dict() for i, m in enumerate(mods)}
 
 
 def save(chunks: list[torch.nn.Module], path: Path) -> None:
@@ -65,12 +63,13 @@ def load(chunks: list[torch.nn.Module], path: Path) -> None:
 
     sd = dist_checkpointing.load(sharded_state_dict(chunks), str(path))
     mods = [runtime.unwrap(c) for c in chunks]
-    for m in mods:
-        own = {k: v for k, v in sd.items() if k in m.state_dict(keep_vars=False)}
-        missing, unexpected = m.load_state_dict(own, strict=False)
+    per_chunk = [sd] if len(mods) == 1 else [sd[f"model{i}"] for i in range(len(mods))]
+    for i, (m, part) in enumerate(zip(mods, per_chunk, strict=True)):
+        own = {k: v for k, v in part.items() if k in m.state_dict(keep_vars=False)}
+        missing, _ = m.load_state_dict(own, strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]
         if missing:
-            raise RuntimeError(f"checkpoint {path} lacks {missing[:5]}{'...' if len(missing) > 5 else ''}")
+            raise RuntimeError(f"checkpoint {path} lacks (chunk {i}) {missing[:5]}{'...' if len(missing) > 5 else ''}")
 
 
 def step(hf_config, parallel: Parallel, weights: Path, out: Path, num_microbatches: int, micro_batch_size: int,

@@ -138,6 +138,16 @@ def forward_backward(chunks: list[torch.nn.Module], batches: Iterable[dict], num
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    batches = list(batches)
+    if len(chunks) > 1:
+        # The interleaved (virtual pipeline) schedule calls chunk c's forward step for micro-batch
+        # m in the order of megatron's own schedule table, all chunks sharing one iterator: feed
+        # exactly that sequence.
+        from megatron.core.pipeline_parallel.schedules import get_schedule_table
+
+        cfg = unwrap(chunks[0]).config
+        group = cfg.microbatch_group_size_per_vp_stage or cfg.pipeline_model_parallel_size
+        batches = [batches[m] for m, _chunk in get_schedule_table(len(batches), len(chunks), group)]
     it = iter(batches)
 
     def loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
