@@ -201,8 +201,11 @@ def _layout(cfg: Path, weights: Path, out: Path, args: list[str], nproc: int, sc
     env.update(TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1")
     if pythonpath:
         env["PYTHONPATH"] = f"{pythonpath}{os.pathsep}{env.get('PYTHONPATH', '')}"
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={_free_port()}",
-           str(script), "--hf-config", str(cfg), "--weights", str(weights), "--out", str(out), *args]
+    # one process: no torchrun (runtime.init_distributed picks its own port for a lone process, which
+    # does not reach torchrun's agent store)
+    launch = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+                                                  f"--master-port={_free_port()}"]
+    cmd = [*launch, str(script), "--hf-config", str(cfg), "--weights", str(weights), "--out", str(out), *args]
     if init:
         cmd.append("--init")
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=REPO)
