@@ -39,9 +39,10 @@ def init_distributed(parallel: Parallel, seed: int = 1234, timeout_s: int = 600)
 
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1 and not dist.is_initialized():
-        # A lone process needs no agreed rendezvous: take any free loopback port.
-        os.environ["MASTER_ADDR"] = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    if world == 1 and not dist.is_initialized() and "MASTER_PORT" not in os.environ:
+        # A lone process started without a launcher needs no agreed rendezvous: any free port
+        # (under torchrun the agent's MASTER_PORT is kept).
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ["MASTER_PORT"] = str(_free_port())
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % max(1, torch.cuda.device_count()))))
