@@ -3,9 +3,9 @@
 Transformer-Engine-free fast path (patches 0012 SDPA attention, 0013 grouped-GEMM experts) against
 transformers' DeepseekV3ForCausalLM (sdpa), same config, same tokens, bf16, in one process.
 
-    python bench/bench_train_step.py                                  # 1 GPU: transformers vs megatron-core
-    torchrun --nproc-per-node 2 bench/bench_train_step.py --tp 2     # megatron TP2 (+SP); transformers on rank 0
-    torchrun --nproc-per-node 2 bench/bench_train_step.py --ep 2     # megatron EP2 (DP2 for dense params)
+    python bench/bench_train_step.py --grouped auto,off               # 1 GPU: transformers vs megatron-core
+    torchrun --nproc-per-node 2 bench/bench_train_step.py --layouts tp2,ep2
+                          # megatron TP2 (+SP) and EP2 (DP2 for dense params); transformers on rank 0
     python bench/bench_train_step.py --cpu-smoke                      # tiny preset, 64 tokens, CPU: code path only
 
 The proxy (``--preset proxy``, dsv3_rl/models/presets.py): DeepSeek-V3's real layer dims (hidden
@@ -54,6 +54,9 @@ def parse_args(argv=None):
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--etp", type=int, default=1)
+    ap.add_argument("--layouts", default=None,
+                    help="comma list of megatron layouts to run in this process, e.g. tp2,ep2 or tp1 "
+                         "(tpN, epN, tpNepN; default: from --tp/--ep)")
     ap.add_argument("--grouped", default="auto", help="moe_sequential_grouped_mm variants: comma list of auto,on,off")
     ap.add_argument("--attention-backend", default="auto", help="megatron attention_backend (auto: SDPA without TE)")
     ap.add_argument("--no-fusions", action="store_true", help="megatron without its jit-fused swiglu/bda/cross-entropy")
@@ -70,6 +73,17 @@ def parse_args(argv=None):
     bad = [e for e in args.engines if e not in ("hf", "mcore")]
     if bad:
         ap.error(f"--engines: unknown {bad}; allowed: hf, mcore")
+    if args.layouts is None:
+        args.layouts = f"tp{args.tp}ep{args.ep}"
+    layouts = []
+    for name in args.layouts.split(","):
+        import re as _re
+
+        m = _re.fullmatch(r"(?:tp(\d+))?(?:ep(\d+))?", name.strip())
+        if not name.strip() or not m or not (m.group(1) or m.group(2)):
+            ap.error(f"--layouts: {name!r} is not tpN, epN or tpNepN")
+        layouts.append((int(m.group(1) or 1), int(m.group(2) or 1)))
+    args.layouts = layouts
     args.grouped = [g.strip() for g in args.grouped.split(",") if g.strip()]
     bad = [g for g in args.grouped if g not in ("auto", "on", "off")]
     if bad:
@@ -221,7 +235,7 @@ def run_hf(cfg, args, device) -> dict:
 
     def step():
         model.zero_grad(set_to_none=True)
-        logits = model(input_ids=tokens).logits
+        logits = model(input_ids=tokens, use_cache=False).logits
         loss = torch.nn.functional.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.view(-1))
         loss.backward()
         return loss
@@ -231,6 +245,8 @@ def run_hf(cfg, args, device) -> dict:
     info = {
         "engine": "transformers", "version": transformers.__version__, "tokens": ntok, "loss": loss,
         "attn": getattr(model.config, "_attn_implementation", "?"),
+        "sdpa_kernel": sdpa_kernel_name((1, args.seq, cfg.num_attention_heads, 0),
+                                        cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim, dtype, prefer=False),
         "experts": getattr(model.config, "_experts_implementation", "?"),
         "params_b": sum(p.numel() for p in model.parameters()) / 1e9, "build_s": build_s, **res,
     }
@@ -245,14 +261,15 @@ MCORE_FUSIONS = dict(bias_activation_fusion=True, bias_dropout_fusion=True, cros
                      cross_entropy_fusion_impl="native")
 
 
-def run_mcore(cfg, args, device, grouped: str) -> dict:
+def run_mcore(cfg, args, device, grouped: str, tp: int, ep: int) -> dict:
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.enums import AttnBackend
 
     from dsv3_rl.convert.config_map import Parallel
     from dsv3_rl.mcore import runtime
 
-    parallel = Parallel(tp=args.tp, ep=args.ep, etp=args.etp)
+    parallel = Parallel(tp=tp, ep=ep, etp=args.etp)
+    runtime.init_distributed(parallel)
     overrides = {"attention_backend": AttnBackend[args.attention_backend],
                  "moe_sequential_grouped_mm": {"auto": None, "on": True, "off": False}[grouped]}
     if on_cuda():
@@ -296,7 +313,7 @@ def run_mcore(cfg, args, device, grouped: str) -> dict:
         torch.empty(0, cfg.hidden_size, device=device, dtype=torch.bfloat16))
     q_heads = inner.decoder.layers[0].self_attention.num_attention_heads_per_partition
     info = {
-        "engine": "megatron-core", "tokens": args.seq * dp, "loss": loss, "tp": args.tp, "ep": args.ep, "dp": dp,
+        "engine": "megatron-core", "tokens": args.seq * dp, "loss": loss, "tp": tp, "ep": ep, "dp": dp,
         "ddp": use_ddp, "fusions": on_cuda() and not args.no_fusions,
         "attn": "sdpa" if getattr(att, "use_sdpa", False) else type(att).__name__,
         "sdpa_kernel": sdpa_kernel_name((1, args.seq, q_heads, 0), cfg.qk_nope_head_dim + cfg.qk_rope_head_dim,
@@ -327,13 +344,14 @@ def summary(results: list, args, cfg) -> str:
     hf = next((r for r in results if r["engine"] == "transformers"), None)
     head = (f"bench_train_step: {args.preset} ({cfg.num_hidden_layers} layers, {cfg.n_routed_experts} experts "
             f"top-{cfg.num_experts_per_tok} + {cfg.n_shared_experts} shared, hidden {cfg.hidden_size}), seq {args.seq}, "
-            f"bf16, {world()}x {gpu_name()}, torch {torch.__version__}")
+            f"bf16, {world()}x {gpu_name()}, torch {torch.__version__}"
+            + (f" cuDNN {torch.backends.cudnn.version()}" if on_cuda() and torch.backends.cudnn.is_available() else ""))
     parts = [head]
     for r in results:
         tps = r["tokens"] / (r["step_ms"] / 1e3)
         r["tokens_per_s"] = tps
         if r["engine"] == "transformers":
-            parts.append(f"transformers {r['version']} (attn={r['attn']}, experts={r['experts']}): {r['step_ms']:.1f} ms, "
+            parts.append(f"transformers {r['version']} (attn={r['attn']}/{r['sdpa_kernel']}, experts={r['experts']}): {r['step_ms']:.1f} ms, "
                          f"{tps / 1e3:.1f}k tok/s, peak {_gib(r)}")
         else:
             s = (f"megatron-core TP{r['tp']} EP{r['ep']} DP{r['dp']} (attn={r['attn']}/{r['sdpa_kernel']}, "
@@ -357,21 +375,25 @@ def main() -> int:
         print("error: no CUDA device; run with --cpu-smoke for a CPU check of the code path", file=sys.stderr)
         return 2
     if on_cuda():
-        import torch._dynamo
+        try:  # a jit-fused kernel that cannot compile (no compiler, no triton) runs eagerly instead
+            import torch._dynamo
 
-        torch._dynamo.config.suppress_errors = True  # a jit-fused kernel that cannot compile runs eagerly
+            torch._dynamo.config.suppress_errors = True
+        except (ImportError, AttributeError):
+            pass
     from dsv3_rl.convert.config_map import Parallel
     from dsv3_rl.mcore import runtime
     from dsv3_rl.models.presets import hf_config
 
     overrides = {"num_hidden_layers": args.layers} if args.layers else None
     cfg = hf_config(args.preset, overrides)
-    need = args.tp * max(1, args.ep * args.etp)
-    if int(os.environ.get("WORLD_SIZE", "1")) % need and "mcore" in args.engines:
-        print(f"error: WORLD_SIZE={os.environ.get('WORLD_SIZE', '1')} does not fit --tp {args.tp} --ep {args.ep}", file=sys.stderr)
-        return 2
-    if "mcore" in args.engines or int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        runtime.init_distributed(Parallel(tp=args.tp, ep=args.ep, etp=args.etp))
+    world_env = int(os.environ.get("WORLD_SIZE", "1"))
+    for tp, ep in args.layouts if "mcore" in args.engines else []:
+        if world_env % tp or world_env % (ep * args.etp):
+            print(f"error: WORLD_SIZE={world_env} does not fit layout tp{tp}ep{ep} (etp {args.etp})", file=sys.stderr)
+            return 2
+    if "mcore" in args.engines or world_env > 1:
+        runtime.init_distributed(Parallel())  # process group (+ trivial megatron groups); layouts re-init below
     device = runtime.device()
     results = []
     if "hf" in args.engines:
@@ -382,11 +404,12 @@ def main() -> int:
         if world() > 1:
             dist.barrier()
     if "mcore" in args.engines:
-        for g in args.grouped:
-            log(f"megatron-core: building {args.preset} TP{args.tp} EP{args.ep} (grouped={g})")
-            r = run_mcore(cfg, args, device, g)
-            results.append(r)
-            log(f"megatron-core ({r['experts']}): {r['step_ms']:.1f} ms, peak {r['peak_gib']:.1f} GiB")
+        for tp, ep in args.layouts:
+            for g in args.grouped:
+                log(f"megatron-core: building {args.preset} TP{tp} EP{ep} (grouped={g})")
+                r = run_mcore(cfg, args, device, g, tp, ep)
+                results.append(r)
+                log(f"megatron-core TP{tp} EP{ep} ({r['experts']}): {r['step_ms']:.1f} ms, peak {r['peak_gib']:.1f} GiB")
     line = summary(results, args, cfg)
     if rank() == 0:
         print(line, flush=True)
