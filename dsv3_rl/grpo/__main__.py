@@ -1,0 +1,5 @@
+import sys
+
+from .demo import main
+
+sys.exit(main())

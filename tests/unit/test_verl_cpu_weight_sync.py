@@ -1,0 +1,102 @@
+"""verl patch 0015: trainer -> vLLM weight sync over shared memory on CPU (no CUDA IPC).
+
+verl's bucketed sender packs tensors into one shared-memory bucket and reuses it for every bucket; the
+receiver used to hand vLLM *views* of that bucket on CPU (``tensor.to("cpu")`` is a no-op), so a weight
+loader keeping a reference saw the next bucket's bytes, and ``shm.close()`` failed with ``BufferError:
+cannot close exported pointers exist``. Here a receiver that keeps every tensor it is given (as a weight
+loader that aliases does) must end with the values that were sent.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import uuid
+
+import pytest
+import torch
+
+pytest.importorskip("zmq")
+pytest.importorskip("verl")
+
+
+@pytest.fixture(autouse=True)
+def cpu_platform():
+    """verl's CPU platform for this test only (the platform is a process-wide singleton)."""
+    from verl.plugin.platform import platform_manager as pm
+    from verl.plugin.platform.platform_cpu import PlatformCPU
+
+    old = pm._current_platform
+    pm._current_platform = PlatformCPU()
+    yield
+    pm._current_platform = old
+
+
+def _transfer(weights: list[tuple[str, torch.Tensor]], bucket_mb: int = 1, timeout_s: float = 60) -> dict[str, torch.Tensor]:
+    import asyncio
+
+    from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import (
+        BucketedWeightReceiver,
+        BucketedWeightSender,
+    )
+
+    handle = f"ipc:///tmp/dsv3-test-weight-sync-{uuid.uuid4().hex}.sock"
+    kept: dict[str, torch.Tensor] = {}
+    errors: list[BaseException] = []
+
+    def on_bucket(bucket, is_last):
+        for name, t in bucket:
+            kept[name] = t  # keep the tensor itself, no copy: what an aliasing loader does
+
+    def receive():
+        try:
+            BucketedWeightReceiver(handle, torch.device("cpu"), use_shm=True).receive_weights(on_bucket)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    sender = BucketedWeightSender(handle, bucket_size_mb=bucket_mb, use_shm=True)
+    th = threading.Thread(target=receive, daemon=True)
+    send = threading.Thread(target=lambda: asyncio.run(sender.async_send_weights(iter(weights))), daemon=True)
+    th.start()
+    send.start()
+    send.join(timeout=timeout_s)
+    th.join(timeout=5)
+    assert not th.is_alive() and not send.is_alive(), "weight transfer did not finish"
+    assert not errors, f"receiver failed: {errors[0]!r}"
+    if handle.startswith("ipc://"):
+        assert not os.path.exists(handle[len("ipc://"):])
+    return kept
+
+
+def test_shm_weight_sync_values_survive_bucket_reuse():
+    g = torch.Generator().manual_seed(0)
+    # 6 tensors of 256 KiB each in a 1 MiB bucket: the bucket is refilled at least once
+    weights = [(f"w{i}", torch.randn(256, 256, generator=g, dtype=torch.float32)) for i in range(6)]
+    weights.append(("bias", torch.randn(7, generator=g).to(torch.bfloat16)))
+    kept = _transfer(weights)
+    assert set(kept) == {n for n, _ in weights}
+    for name, t in weights:
+        assert kept[name].dtype == t.dtype and kept[name].shape == t.shape
+        assert torch.equal(kept[name], t), f"{name}: received tensor changed after its bucket was reused"
+
+
+def test_shm_weight_sync_detects_aliasing():
+    """Planted-fault twin: a receiver that hands out views of the shared bucket (the unpatched
+    behaviour) ends with wrong values for the first bucket's tensors, so the test above can fail."""
+    from verl.workers.rollout.vllm_rollout import bucketed_weight_transfer as bwt
+
+    original = torch.Tensor.clone
+    try:
+        # make the patch's copy a no-op: the receiver then returns views into the reused bucket
+        torch.Tensor.clone = lambda self, *a, **k: self  # type: ignore[method-assign]
+        g = torch.Generator().manual_seed(0)
+        weights = [(f"w{i}", torch.randn(256, 256, generator=g)) for i in range(6)]
+        try:
+            kept = _transfer(weights, timeout_s=20)
+        except (AssertionError, BufferError):
+            return  # the unpatched failure mode: the shared memory cannot even be closed
+        wrong = [n for n, t in weights if not torch.equal(kept[n], t)]
+        assert wrong, "aliased views kept the right values; the twin cannot detect the bug"
+    finally:
+        torch.Tensor.clone = original  # type: ignore[method-assign]
+    assert bwt  # module imported

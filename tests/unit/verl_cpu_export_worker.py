@@ -1,0 +1,77 @@
+"""Worker for tests/unit/test_verl_cpu_megatron.py (run under torchrun, gloo, VERL_PLATFORM=cpu).
+
+Builds the tiny DeepSeek-V3 the way verl's Megatron engine does with ``use_mbridge=False`` (verl's
+``hf_to_mcore_config`` + ``make_megatron_module`` without a bridge -> ``init_mcore_model``), loads the
+converter's dist checkpoint with verl's ``load_mcore_dist_weights``, exports HF-named full tensors with
+verl's ``per_tensor_generator`` (what the trainer sends to vLLM) and compares them, on every rank,
+with the HF safetensors the checkpoint was converted from. Prints one JSON line (rank 0).
+
+    torchrun --nproc-per-node N verl_cpu_export_worker.py HF_DIR DIST_DIR TP EP [FAULT]
+"""
+
+import json
+import os
+import sys
+
+import torch
+
+
+def main():
+    hf_dir, dist_dir, tp, ep = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    fault = sys.argv[5] if len(sys.argv) > 5 else ""
+    torch.distributed.init_process_group("gloo")
+    from megatron.core import parallel_state as mpu
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    from verl.models.mcore import hf_to_mcore_config
+    from verl.models.mcore.registry import MODEL_WEIGHT_CONVERTER_REGISTRY, get_supported_model
+    from verl.utils.megatron_utils import McoreModuleWrapperConfig, make_megatron_module, per_tensor_generator
+    from verl.utils.model import load_mcore_dist_weights
+
+    mpu.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                                  expert_tensor_parallel_size=1)
+    model_parallel_cuda_manual_seed(0)
+    hf = AutoConfig.from_pretrained(hf_dir)
+    cpu = dict(attention_backend="local", use_cpu_initialization=True, moe_grouped_gemm=False,
+               moe_shared_expert_overlap=False, apply_rope_fusion=False, bias_activation_fusion=False,
+               bias_dropout_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
+               gradient_accumulation_fusion=False)
+    from megatron.core.transformer.enums import AttnBackend
+
+    cpu["attention_backend"] = AttnBackend.local
+    tf = hf_to_mcore_config(hf, torch.bfloat16, **cpu)
+    module, tf = make_megatron_module(McoreModuleWrapperConfig(wrap_with_ddp=False), tf, hf)
+    te_modules = sorted({type(m).__name__ for m in module[0].modules() if type(m).__name__.startswith("TE")})
+    load_mcore_dist_weights(module, dist_dir)
+    if fault == "swap_experts":  # planted fault: two routed experts of the first MoE layer trade weights
+        from verl.utils.megatron_utils import unwrap_model
+
+        experts = unwrap_model(module[0]).decoder.layers[1].mlp.experts.local_experts
+        a, b = experts[0].linear_fc1.weight, experts[1].linear_fc1.weight
+        tmp = a.data.clone()
+        a.data.copy_(b.data)
+        b.data.copy_(tmp)
+    conv = MODEL_WEIGHT_CONVERTER_REGISTRY[get_supported_model(hf.architectures[0])](hf, tf)
+    mapping = {"qkv_layer_name": "self_attention.linear_qkv.", "gate_proj_layer_name": "linear_fc1."}
+    exported = {n: t.detach().to(torch.bfloat16) for n, t in per_tensor_generator(module, hf, conv, tf, mapping)}
+    ref = {}
+    for f in sorted(os.listdir(hf_dir)):
+        if f.endswith(".safetensors"):
+            ref.update(load_file(os.path.join(hf_dir, f)))
+    missing = sorted(set(ref) - set(exported))
+    extra = sorted(set(exported) - set(ref))
+    wrong = sorted(n for n in set(ref) & set(exported)
+                   if ref[n].shape != exported[n].shape or not torch.equal(ref[n].to(torch.bfloat16), exported[n]))
+    result = {"rank": torch.distributed.get_rank(), "n": len(exported), "missing": missing[:5], "extra": extra[:5],
+              "wrong": wrong[:10], "n_wrong": len(wrong), "te_modules": te_modules}
+    results = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(results, result)
+    if torch.distributed.get_rank() == 0:
+        print(json.dumps(results))
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
