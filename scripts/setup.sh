@@ -19,7 +19,15 @@ if [ ! -x "$VENV/bin/python" ]; then
   $PYTHON -m venv "$VENV"
 fi
 PY="$VENV/bin/python"
-pip_install() { "$PY" -m pip install $PIP_Q "$@" 2>&1 | grep -v "is ignored: it is neither" || true; test "${PIPESTATUS[0]}" -eq 0; }
+# megatron-core's setup.py runs a bare `python3 -m pybind11`: the venv must come first on PATH.
+PATH="$(cd "$VENV/bin" && pwd):$PATH"
+export PATH
+pip_install() {
+  local rc=0
+  "$PY" -m pip install $PIP_Q "$@" > >(grep -v "is ignored: it is neither" || true) 2>&1 || rc=$?
+  wait
+  if [ "$rc" -ne 0 ]; then echo "[setup] ERROR: pip install $* failed (exit $rc)" >&2; return "$rc"; fi
+}
 
 # 1. torch: keep what is there (a CUDA build on a GPU machine stays); else a CPU wheel when no GPU.
 if "$PY" -c "import torch" 2>/dev/null; then
@@ -31,7 +39,8 @@ else
   # CPU machine: the CPU wheel index first (a plain PyPI torch is a multi-GB CUDA build);
   # pip still consults local find-links/mirrors when that index is unreachable.
   say "installing $TORCH_SPEC (CPU build, index $TORCH_INDEX_URL)"
-  pip_install --retries 0 --timeout 10 "$TORCH_SPEC" --index-url "$TORCH_INDEX_URL"
+  pip_install --retries 0 --timeout 10 "$TORCH_SPEC" --index-url "$TORCH_INDEX_URL" \
+    || { say "CPU index unreachable; trying the default index / local mirror"; pip_install "$TORCH_SPEC"; }
 fi
 
 # 2. build helpers megatron-core's editable install needs (no build isolation: it compiles one
