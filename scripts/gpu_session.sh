@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The GPU checks of this repo, in stages that each fit in ~10 minutes on one GPU box, with every
+# result written under $OUT (default out/gpu). No Transformer Engine, no vLLM needed: the patched
+# megatron-core tree is put on PYTHONPATH.
+#
+#   bash scripts/gpu_session.sh fastpath     # 1 GPU: TE-free fast-path bench + GPU unit tests + fp8 cast bench
+#   bash scripts/gpu_session.sh correctness  # 1 GPU: correctness tp1 fp32, planted faults, bf16 proxy; planner memory
+#   bash scripts/gpu_session.sh two-gpu      # 2 GPUs: correctness layouts over NCCL, faults, TP2/EP2 bench
+#
+# Each step has its own time limit; a failing step is reported and the next one still runs.
+# Ends with one line per step: name, status, seconds.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-out/gpu}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD:$PWD/backends/megatron-core-0.16.1${PYTHONPATH:+:$PYTHONPATH}"
+export TORCHDYNAMO_DISABLE=${TORCHDYNAMO_DISABLE:-1} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+SUMMARY=()
+
+step() {  # step NAME LIMIT_S CMD...
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS rc=0
+  echo "=== $name (limit ${limit}s): $*"
+  timeout "$limit" "$@" > >(tee "$OUT/$name.log") 2>&1 || rc=$?
+  local st=ok; [ "$rc" -eq 0 ] || st="FAIL(rc=$rc)"; [ "$rc" -eq 124 ] && st="TIMEOUT"
+  SUMMARY+=("$name $st $((SECONDS - t0))s")
+  echo "=== $name: $st in $((SECONDS - t0))s"
+}
+
+nvidia-smi -L; python -c "import torch, transformers, megatron.core as m; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'cudnn', torch.backends.cudnn.version(), 'transformers', transformers.__version__, 'mcore', m.__version__)"
+
+case "${1:-}" in
+  fastpath)
+    step bench_1gpu 280 python bench/bench_train_step.py --grouped auto,off --json "$OUT/bench-1gpu.json"
+    step gpu_unit 130 python -m pytest -q -m gpu tests/gpu/test_fp8_cast_gpu.py tests/gpu/test_mcore_fastpath_gpu.py -p no:cacheprovider
+    step fp8_bench 140 env -u TORCHDYNAMO_DISABLE python bench/bench_fp8_cast.py --set num_hidden_layers=2 \
+      --workdir /tmp/fp8bench --json "$OUT/fp8.json"
+    ;;
+  correctness)
+    step corr_tp1 100 python -m dsv3_rl.correctness run --layouts tp1 --json "$OUT/gpu1_fp32.json"
+    step corr_faults 120 python -m dsv3_rl.correctness check-faults \
+      --faults swap-experts,router-bias,yarn-mscale,no-group-routing,rope-interleave-false,rope-interleave-false-unchecked \
+      --json "$OUT/gpu1_faults.json"
+    step corr_proxy_bf16 200 python -m dsv3_rl.correctness run --layouts tp1 --preset proxy --set num_hidden_layers=2 \
+      --dtype bf16 --batch-size 2 --seq-length 256 --calibrate --work /tmp/proxy --json "$OUT/gpu1_bf16_proxy.json"
+    step planner_mem 150 python bench/measure_train_memory.py --out "$OUT/measured_gpu.jsonl"
+    ;;
+  two-gpu)
+    step corr_2gpu 220 python -m dsv3_rl.correctness run \
+      --layouts dp2,tp2_sp,pp2,pp2_vpp2,pp2_vpp2_batchp2p,ep2,ep2_allgather,tp2_ep2,tp2_etp2,etp2,tp2_nosp \
+      --json "$OUT/gpu2_fp32.json"
+    step corr_2gpu_fault 90 python -m dsv3_rl.correctness check-faults --layouts tp2_sp \
+      --faults mla-tp-grad-patch-reverted --json "$OUT/gpu2_faults.json"
+    step bench_2gpu 250 torchrun --nproc-per-node 2 bench/bench_train_step.py --layouts tp2,ep2 --json "$OUT/bench-2gpu.json"
+    ;;
+  *) echo "usage: $0 fastpath|correctness|two-gpu" >&2; exit 2 ;;
+esac
+echo "=== summary"; printf '%s\n' "${SUMMARY[@]}"
