@@ -4,8 +4,8 @@
 # megatron-core tree is put on PYTHONPATH.
 #
 #   bash scripts/gpu_session.sh fastpath     # 1 GPU: TE-free fast-path bench + GPU unit tests + fp8 cast bench
-#   bash scripts/gpu_session.sh correctness  # 1 GPU: correctness tp1 fp32, planted faults, bf16 proxy; planner memory
-#   bash scripts/gpu_session.sh two-gpu      # 2 GPUs: correctness layouts over NCCL, faults, TP2/EP2 bench
+#   bash scripts/gpu_session.sh correctness  # 1 GPU: fast-path scenarios, correctness tp1 fp32, planted faults, bf16 proxy
+#   bash scripts/gpu_session.sh two-gpu      # 2 GPUs: correctness layouts over NCCL, faults, planner memory, TP2/EP2 bench
 #
 # Each step has its own time limit; a failing step is reported and the next one still runs.
 # Ends with one line per step: name, status, seconds.
@@ -37,21 +37,26 @@ case "${1:-}" in
       --workdir /tmp/fp8bench --json "$OUT/fp8.json"
     ;;
   correctness)
+    # the fast-path GPU scenarios one by one, with their own output (pytest hides it)
+    MOE='{"hidden_size": 1024, "moe_intermediate_size": 512, "intermediate_size": 2048, "n_routed_experts": 16, "num_experts_per_tok": 8, "n_group": 8, "topk_group": 4}'
+    step fp_paths_equal 60 python tests/unit/mcore_fastpath_scenarios.py paths_equal --device cuda --dtype bf16 --overrides "$MOE" --seq 64
+    step fp_hf_fp32 60 python tests/unit/mcore_fastpath_scenarios.py hf_vs_mcore --device cuda --dtype fp32
+    step fp_hf_bf16 60 python tests/unit/mcore_fastpath_scenarios.py hf_vs_mcore --device cuda --dtype bf16 --overrides "$MOE" --seq 64
     step corr_tp1 100 python -m dsv3_rl.correctness run --layouts tp1 --json "$OUT/gpu1_fp32.json"
     step corr_faults 120 python -m dsv3_rl.correctness check-faults \
       --faults swap-experts,router-bias,yarn-mscale,no-group-routing,rope-interleave-false,rope-interleave-false-unchecked \
       --json "$OUT/gpu1_faults.json"
     step corr_proxy_bf16 200 python -m dsv3_rl.correctness run --layouts tp1 --preset proxy --set num_hidden_layers=2 \
       --dtype bf16 --batch-size 2 --seq-length 256 --calibrate --work /tmp/proxy --json "$OUT/gpu1_bf16_proxy.json"
-    step planner_mem 150 python bench/measure_train_memory.py --out "$OUT/measured_gpu.jsonl"
     ;;
   two-gpu)
-    step corr_2gpu 220 python -m dsv3_rl.correctness run \
+    step corr_2gpu 200 python -m dsv3_rl.correctness run \
       --layouts dp2,tp2_sp,pp2,pp2_vpp2,pp2_vpp2_batchp2p,ep2,ep2_allgather,tp2_ep2,tp2_etp2,etp2,tp2_nosp \
       --json "$OUT/gpu2_fp32.json"
     step corr_2gpu_fault 90 python -m dsv3_rl.correctness check-faults --layouts tp2_sp \
       --faults mla-tp-grad-patch-reverted --json "$OUT/gpu2_faults.json"
-    step bench_2gpu 250 torchrun --nproc-per-node 2 bench/bench_train_step.py --layouts tp2,ep2 --json "$OUT/bench-2gpu.json"
+    step planner_mem 150 python bench/measure_train_memory.py --out "$OUT/measured_gpu.jsonl"
+    step bench_2gpu 130 torchrun --nproc-per-node 2 bench/bench_train_step.py --layouts tp2,ep2 --json "$OUT/bench-2gpu.json"
     ;;
   *) echo "usage: $0 fastpath|correctness|two-gpu" >&2; exit 2 ;;
 esac

@@ -75,7 +75,7 @@ def perturb_router_bias(sd: dict[str, torch.Tensor]) -> list[str]:
         k = f"decoder.layers.{layer}.mlp.router.expert_bias"
         if k not in sd:
             raise KeyError(f"router-bias: {k} not in the checkpoint")
-        sd[k].add_((torch.randn(sd[k].shape, generator=g) * 0.05).to(sd[k].dtype))
+        sd[k].add_((torch.randn(sd[k].shape, generator=g) * 0.05).to(sd[k].device, sd[k].dtype))
         changed.append(k)
     return changed
 

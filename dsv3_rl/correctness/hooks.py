@@ -91,7 +91,7 @@ class HFCapture:
 
     def _gate_hook(self, i: int):
         def hook(module, args, output):
-            self._put(f"L{i}/router_scores", self._tokens(torch.sigmoid(output.float())))
+            self._put(f"L{i}/router_scores", self._tokens(torch.sigmoid(_first(output).float())))
         return hook
 
     def _experts_hook(self, i: int):
