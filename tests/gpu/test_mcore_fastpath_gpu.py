@@ -91,20 +91,27 @@ def test_grouped_matches_loop_on_gpu():
 
 
 def test_fast_paths_match_old_paths_on_gpu():
-    """Whole model (tiny, widened MoE), bf16: SDPA + grouped GEMM vs unfused attention + loop."""
-    r = run("paths_equal", "--dtype", "bf16", "--overrides", MOE, "--seq", "64")
-    assert r["paths"]["sdpa"] and r["paths"]["grouped"] and r["grouped_calls"] == 3, r
-    assert r["logits_rel"] < BF16_TOL and r["grad_worst_rel"] < 5e-2, r
+    """Whole model (tiny, widened MoE) in bf16, calibrated: megatron-core with SDPA + grouped GEMM and
+    with its old paths (unfused attention + per-expert loop), each against transformers in fp32 on
+    the same weights. bf16 rounding flips a few near-tied top-k choices in a random model (a flipped
+    token moves its expert's gradient by O(1)), so absolute bf16 errors say little; the fast paths
+    must not be less accurate than the old ones."""
+    common = ("--dtype", "bf16", "--overrides", MOE, "--seq", "64")
+    fast = run("hf_vs_mcore", *common)
+    old = run("hf_vs_mcore", *common, "--attention-backend", "unfused", "--grouped", "off")
+    assert fast["paths"]["sdpa"] and fast["paths"]["grouped"] and fast["grouped_calls"] == 3, fast
+    assert not old["paths"]["sdpa"] and not old["paths"]["grouped"], old
+    assert fast["logits_rel"] <= 1.5 * old["logits_rel"] + 1e-3, (fast, old)
+    assert fast["grad_worst_rel"] <= 1.5 * old["grad_worst_rel"] + 1e-2, (fast, old)
+    assert abs(fast["loss_mcore"] - fast["loss_hf"]) / abs(fast["loss_hf"]) < 2e-3, fast
 
 
 def test_hf_vs_mcore_on_gpu():
-    """transformers' DeepseekV3ForCausalLM vs megatron-core with the fast paths on the GPU: fp32
-    (tight) and megatron in bf16 against transformers in fp32 (bf16 error)."""
+    """transformers' DeepseekV3ForCausalLM vs megatron-core with the fast paths on the GPU, fp32:
+    only the summation order differs (bf16 is judged against the old paths above)."""
     r = run("hf_vs_mcore", "--dtype", "fp32")
     assert r["paths"]["sdpa"] and r["paths"]["grouped"], r
     assert r["logits_rel"] < 1e-4 and r["grad_worst_rel"] < 1e-4, r
-    b = run("hf_vs_mcore", "--dtype", "bf16", "--overrides", MOE, "--seq", "64")
-    assert b["logits_rel"] < BF16_TOL and b["grad_worst_rel"] < 0.25, b  # bf16 may flip a few top-k choices
 
 
 def test_planted_faults_fail_on_gpu():

@@ -233,3 +233,18 @@ def test_bf16_judges_routed_expert_grads_per_layer():
     cand["model.layers.1.mlp.experts.3.up_proj.weight"] *= 1.5  # a busy expert 50% off: fails either way
     assert not all(c.passed for c in compare.compare_grads(cand, ref, TOLERANCES["bf16"]))
     assert not all(c.passed for c in compare.compare_grads(cand, ref, TOLERANCES["bf16"], per_tensor=True))
+
+
+def test_bf16_router_grad_limit_is_its_own_and_still_fails():
+    """bf16: the gate weight gradient may be 0.2 off (top-k flips), other tensors only 0.1; a router
+    gradient 30% off, or an MLA weight 15% off, still fails."""
+    ref = {"model.layers.1.mlp.gate.weight": torch.ones(8, 4), "model.layers.1.self_attn.q_a_proj.weight": torch.ones(4, 4)}
+    cand = {k: v.clone() for k, v in ref.items()}
+    cand["model.layers.1.mlp.gate.weight"] *= 1.15
+    assert all(c.passed for c in compare.compare_grads(cand, ref, TOLERANCES["bf16"]))
+    assert not all(c.passed for c in compare.compare_grads(cand, ref, TOLERANCES["fp32"]))
+    cand["model.layers.1.mlp.gate.weight"] = ref["model.layers.1.mlp.gate.weight"] * 1.3
+    assert not all(c.passed for c in compare.compare_grads(cand, ref, TOLERANCES["bf16"]))
+    cand["model.layers.1.mlp.gate.weight"] = ref["model.layers.1.mlp.gate.weight"].clone()
+    cand["model.layers.1.self_attn.q_a_proj.weight"] *= 1.15
+    assert not all(c.passed for c in compare.compare_grads(cand, ref, TOLERANCES["bf16"]))
