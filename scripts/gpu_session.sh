@@ -4,7 +4,7 @@
 # megatron-core tree is put on PYTHONPATH.
 #
 #   bash scripts/gpu_session.sh fastpath     # 1 GPU: TE-free fast-path bench + GPU unit tests + fp8 cast bench
-#   bash scripts/gpu_session.sh correctness  # 1 GPU: fast-path scenarios, correctness tp1 fp32, planted faults, bf16 proxy
+#   bash scripts/gpu_session.sh correctness  # 1 GPU: fast-path GPU tests, correctness tp1 fp32, planted faults, bf16 proxy
 #   bash scripts/gpu_session.sh two-gpu      # 2 GPUs: correctness layouts over NCCL, faults, planner memory, TP2/EP2 bench
 #
 # Each step has its own time limit; a failing step is reported and the next one still runs.
@@ -13,7 +13,13 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/gpu}
 mkdir -p "$OUT"
-export PYTHONPATH="$PWD:$PWD/backends/megatron-core-0.16.1${PYTHONPATH:+:$PYTHONPATH}"
+# Wheels carried in .whl/ (e.g. transformers 5.10.4 + tokenizers 0.22.2: the versions verl 0.9.1
+# accepts and the CPU suite uses, instead of the box's newer transformers) go first on the path.
+SITE=""
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && SITE=/tmp/site
+fi
+export PYTHONPATH="$PWD:$PWD/backends/megatron-core-0.16.1${SITE:+:$SITE}${PYTHONPATH:+:$PYTHONPATH}"
 export TORCHDYNAMO_DISABLE=${TORCHDYNAMO_DISABLE:-1} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 SUMMARY=()
 
@@ -37,16 +43,12 @@ case "${1:-}" in
       --workdir /tmp/fp8bench --json "$OUT/fp8.json"
     ;;
   correctness)
-    # the fast-path GPU scenarios one by one, with their own output (pytest hides it)
-    MOE='{"hidden_size": 1024, "moe_intermediate_size": 512, "intermediate_size": 2048, "n_routed_experts": 16, "num_experts_per_tok": 8, "n_group": 8, "topk_group": 4}'
-    step fp_paths_equal 60 python tests/unit/mcore_fastpath_scenarios.py paths_equal --device cuda --dtype bf16 --overrides "$MOE" --seq 64
-    step fp_hf_fp32 60 python tests/unit/mcore_fastpath_scenarios.py hf_vs_mcore --device cuda --dtype fp32
-    step fp_hf_bf16 60 python tests/unit/mcore_fastpath_scenarios.py hf_vs_mcore --device cuda --dtype bf16 --overrides "$MOE" --seq 64
+    step fastpath_unit 170 python -m pytest -q -s -m gpu tests/gpu/test_mcore_fastpath_gpu.py -p no:cacheprovider
     step corr_tp1 100 python -m dsv3_rl.correctness run --layouts tp1 --json "$OUT/gpu1_fp32.json"
-    step corr_faults 120 python -m dsv3_rl.correctness check-faults \
+    step corr_faults 100 python -m dsv3_rl.correctness check-faults \
       --faults swap-experts,router-bias,yarn-mscale,no-group-routing,rope-interleave-false,rope-interleave-false-unchecked \
       --json "$OUT/gpu1_faults.json"
-    step corr_proxy_bf16 200 python -m dsv3_rl.correctness run --layouts tp1 --preset proxy --set num_hidden_layers=2 \
+    step corr_proxy_bf16 180 python -m dsv3_rl.correctness run --layouts tp1 --preset proxy --set num_hidden_layers=2 \
       --dtype bf16 --batch-size 2 --seq-length 256 --calibrate --work /tmp/proxy --json "$OUT/gpu1_bf16_proxy.json"
     ;;
   two-gpu)
