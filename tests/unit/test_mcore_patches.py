@@ -66,13 +66,18 @@ def run_layout(cfg: Path, weights: Path, out: Path, args: list[str], nproc: int 
     return subprocess.run(cmd, capture_output=True, text=True, env=_env(pythonpath), timeout=600)
 
 
+# Later patches that build on an earlier one (they use what it adds) are reversed with it.
+DEPENDENTS = {"0008-cpu-device-placement.patch": ["0014-cpu-mixed-precision-optimizer.patch"]}  # get_current_device()
+
+
 def tree_without(patch_name: str, dest: Path) -> Path:
-    """A copy of the patched megatron tree with one patch reversed (import it via PYTHONPATH)."""
+    """A copy of the patched megatron tree with one patch (and its DEPENDENTS) reversed (import it via PYTHONPATH)."""
     patches = {p.name: p for p in lint(MCORE, headers=False)}
     shutil.copytree(MCORE.path() / "megatron", dest / "megatron",
                     ignore=shutil.ignore_patterns("__pycache__", "*.so"))
-    r = subprocess.run(["git", "apply", "-R", str(patches[patch_name].path)], cwd=dest, capture_output=True, text=True)
-    assert r.returncode == 0, f"could not reverse {patch_name} in scratch copy: {r.stderr}"
+    for name in [*reversed(DEPENDENTS.get(patch_name, [])), patch_name]:
+        r = subprocess.run(["git", "apply", "-R", str(patches[name].path)], cwd=dest, capture_output=True, text=True)
+        assert r.returncode == 0, f"could not reverse {name} in scratch copy: {r.stderr}"
     return dest
 
 
