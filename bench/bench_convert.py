@@ -41,7 +41,8 @@ def run_measured(cmd: list[str], env: dict, timeout: int) -> dict:
 
 
 def first_error(text: str) -> str:
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    lines = [re.sub(r"^\[rank\d+\]:\s*", "", ln).strip() for ln in text.splitlines()]
+    lines = [ln for ln in lines if ln and not ln.startswith("MAXRSS_KB=")]
     for ln in reversed(lines):
         if re.match(r"^(\w+\.)*\w*(Error|Exception|error)\b", ln) or ln.startswith("error:"):
             return ln[:300]

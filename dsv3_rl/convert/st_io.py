@@ -121,17 +121,16 @@ class HFReader:
         fd = self._fds.get(ref.path)
         if fd is None:
             fd = self._fds[ref.path] = os.open(ref.path, os.O_RDONLY)
-        buf = bytearray(end - begin)
-        view, done = memoryview(buf), 0
-        while done < len(buf):
-            got = os.preadv(fd, [view[done:]], begin + done)
-            if got == 0:
-                raise CheckpointFormatError(f"{ref.path}: truncated while reading {name!r}")
-            done += got
-        self.bytes_read += len(buf)
-        if not buf:
-            return torch.empty(shape, dtype=ref.torch_dtype)
-        return torch.frombuffer(buf, dtype=torch.uint8).view(ref.torch_dtype).reshape(shape)
+        out = torch.empty(end - begin, dtype=torch.uint8)  # no zero-fill, unlike bytearray
+        if out.numel():
+            view, done = memoryview(out.numpy()), 0
+            while done < len(view):
+                got = os.preadv(fd, [view[done:]], begin + done)
+                if got == 0:
+                    raise CheckpointFormatError(f"{ref.path}: truncated while reading {name!r}")
+                done += got
+        self.bytes_read += out.numel()
+        return out.view(ref.torch_dtype).reshape(shape)
 
     def close(self) -> None:
         for fd in self._fds.values():

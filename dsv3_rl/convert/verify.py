@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -48,6 +49,9 @@ def megatron_logits(hf_config, parallel, path: Path, toks: torch.Tensor, use_ver
     from dsv3_rl.mcore import runtime
     from dsv3_rl.mcore.runtime import unwrap
 
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1 and not torch.distributed.is_initialized():
+        # one process: no TCP rendezvous to race for a port
+        torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
     runtime.init_distributed(parallel, seed=1234)
     chunks = runtime.build_model(hf_config, parallel, dtype=torch.float32)
     if use_verl_loader:
@@ -82,14 +86,16 @@ def megatron_logits(hf_config, parallel, path: Path, toks: torch.Tensor, use_ver
 
         return logits, loss_func
 
-    data = iter([(toks, pos)])
+    # one sequence per micro-batch (the interleaved schedule needs several micro-batches)
+    data = [(toks[i:i + 1], pos[i:i + 1]) for i in range(b)]
+    iters = [iter(data) for _ in chunks]
     with torch.no_grad():
-        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=[data] * len(chunks) if len(chunks) > 1 else data,
-                                    model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=1, seq_length=s,
-                                    micro_batch_size=b, forward_only=True)
+        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iters if len(chunks) > 1 else iters[0],
+                                    model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=b, seq_length=s,
+                                    micro_batch_size=1, forward_only=True)
     mine = (ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
             and ps.get_data_parallel_rank() == 0)
-    return out[0] if mine and out else None
+    return torch.cat(out, 0) if mine and out else None
 
 
 def hf_logits(hf_dir: Path, toks: torch.Tensor) -> torch.Tensor:

@@ -364,6 +364,10 @@ def _hf_to_mcore(hf_dir: Path, out: Path, keep_mtp: bool = False, spec: str = "b
         raise ConvertError(f"{hf_dir / 'config.json'}: {e}") from None
     work, existing = _prepare_out(out, force, d, "mcore")
     if existing is not None:
+        want = {"source": str(hf_dir.resolve()), "keep_mtp": keep_mtp, "spec": spec, "dtype": dtype}
+        have = {k: existing.get(k) for k in want}
+        if have != want:
+            raise ConvertError(f"{out} holds a conversion with other settings ({have}, asked {want}); --force replaces it")
         verify_mcore(out, plan)
         return Summary("hf->mcore", existing.get("tensors", 0), existing.get("bytes", 0), 0.0, d.world, peak_rss_gb(),
                        str(out), skipped=True, note=f"{existing.get('tensors')} tensors verified against the config")
@@ -403,7 +407,7 @@ def _hf_to_mcore(hf_dir: Path, out: Path, keep_mtp: bool = False, spec: str = "b
         _write_json(work / HF_META / "config.json", cfg_out)
         _write_json(work / MANIFEST, {
             "complete": True, "direction": "hf->mcore", "format": "megatron-core torch_dist, global tensors",
-            "source": str(hf_dir.resolve()), "keep_mtp": keep_mtp, "spec": spec, "size_tag": size_tag(cfg),
+            "source": str(hf_dir.resolve()), "keep_mtp": keep_mtp, "spec": spec, "dtype": dtype, "size_tag": size_tag(cfg),
             "tensors": n_tensors, "chunks": len(chunks), "extra_states": len(plan.extra_states), "bytes": total_bytes,
             "hf_meta_files": aux, "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         })

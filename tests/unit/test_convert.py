@@ -3,7 +3,7 @@
 * the name/shape table equals what megatron-core's own ``sharded_state_dict()`` asks for (local spec,
   with and without MTP);
 * HF -> mcore -> HF is bit-identical (tiny; with MTP kept; over 2 ranks; proxy when asked);
-* one checkpoint, written once, loads at TP1/TP2/EP2/PP2 (through verl's own loader at EP2) and the
+* one checkpoint, written once, loads at TP1, TP2+ETP2, EP2, TP2+EP2 (through verl's own loader), PP2+VPP2 and the
   logits equal ``DeepseekV3ForCausalLM``'s; re-saved by megatron at TP2+EP2 it converts back bit-exact;
 * bad input is refused naming the tensor/key; interrupted runs never look complete and rerun cleanly.
 
@@ -84,6 +84,8 @@ def _megatron_sharded_keys(cfg, mtp: bool) -> tuple[dict, set]:
     saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     try:
+        # one process, no TCP rendezvous (a 'free' port can be taken by a parallel test run)
+        torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
         runtime.init_distributed(Parallel())
         config = hf_to_mcore_config(cfg, Parallel(), dtype=torch.float32, keep_mtp=mtp, use_cpu_initialization=True)
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
@@ -228,13 +230,37 @@ def test_roundtrip_proxy_bit_exact(tmp_path):
     assert compare_hf(hf, tmp_path / "back") == []
 
 
+@pytest.mark.slow
+def test_roundtrip_proxy_two_layers_bit_exact(tmp_path):
+    """The proxy preset's real DeepSeek-V3 dims (hidden 7168, MLA ranks 1536/512, 129280 vocab, expert FFN 2048,
+    16 experts, yarn), cut to 2 layers (1 dense + 1 MoE) for CPU time and disk: ~6.6 GB, 2 HF shards, 2 ranks
+    each way, multi-file output. The 4-layer proxy: DSV3_PROXY_ROUNDTRIP=1 above, or bench/bench_convert.py."""
+    from dsv3_rl.convert.testing import write_random_hf
+    from dsv3_rl.convert.weights import compare_hf
+    from dsv3_rl.models.presets import hf_config
+
+    cfg = hf_config("proxy", {"num_hidden_layers": 2})
+    assert (cfg.hidden_size, cfg.kv_lora_rank, cfg.q_lora_rank, cfg.vocab_size, cfg.first_k_dense_replace) == (
+        7168, 512, 1536, 129280, 1)
+    hf = write_random_hf(cfg, tmp_path / "hf", shard_gb=4.0)
+    assert len(list(hf.glob("*.safetensors"))) == 2
+    r = run_module("dsv3_rl.convert", ["hf-to-mcore", "--hf-dir", str(hf), "--out", str(tmp_path / "mc"), "--no-progress"],
+                   nproc=2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = run_module("dsv3_rl.convert", ["mcore-to-hf", "--mcore-dir", str(tmp_path / "mc"), "--out", str(tmp_path / "back"),
+                                       "--no-progress"], nproc=2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert compare_hf(hf, tmp_path / "back") == []
+
+
 # --------------------------------------------------------------------------- loads at every layout, logits == HF
 
 LAYOUTS = {
     "tp1": ([], 1),
-    "tp2": (["--tp", "2"], 2),
-    "ep2_verl_loader_resave": (["--ep", "2", "--tp", "2", "--verl-loader"], 2),
-    "pp2": (["--pp", "2"], 2),
+    "tp2_etp2": (["--tp", "2", "--etp", "2"], 2),
+    "ep2": (["--ep", "2"], 2),
+    "tp2_ep2_verl_loader_resave": (["--ep", "2", "--tp", "2", "--verl-loader"], 2),
+    "pp2_vpp2": (["--pp", "2", "--vpp", "2"], 2),
 }
 
 
@@ -398,6 +424,9 @@ def test_interrupted_hf_to_mcore_never_looks_complete_and_reruns(tiny, tmp_path,
     assert not s.skipped and not (tmp_path / "mc.incomplete").exists()
     s = convert(weights.hf_to_mcore, hf, tmp_path / "mc")  # complete: verified, not redone
     assert s.skipped and "already complete" in s.line()
+    for other in ({"keep_mtp": True}, {"dtype": "fp32"}, {"spec": "local"}):  # never reused for other settings
+        with pytest.raises(weights.ConvertError, match="holds a conversion with other settings"):
+            convert(weights.hf_to_mcore, hf, tmp_path / "mc", **other)
     (tmp_path / "mc" / "__0_0.distcp").unlink()  # a damaged complete output is reported, not trusted
     with pytest.raises(weights.ConvertError, match="__0_0.distcp is missing or truncated"):
         convert(weights.hf_to_mcore, hf, tmp_path / "mc")
@@ -437,8 +466,10 @@ def test_seed_wrapper_roundtrip_and_model_size_check(tiny, tmp_path):
     hf, _ = tiny
     sh = REPO / "toolkits/distributed_checkpoints_convertor/scripts/deepseek_v3/run_32xH20.sh"
 
+    env = {**_env(), "PYTHON": sys.executable}  # the wrapper runs $PYTHON (default: python on PATH)
+
     def run(*args):
-        return subprocess.run(["bash", str(sh), *map(str, args)], capture_output=True, text=True, env=_env(), timeout=900)
+        return subprocess.run(["bash", str(sh), *map(str, args)], capture_output=True, text=True, env=env, timeout=900)
 
     r = run("auto", hf, tmp_path / "mc", "false", "false", "bf16")
     assert r.returncode == 0, r.stderr[-3000:]

@@ -74,6 +74,8 @@ def megatron_single():
     saved_env = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     saved = (MultiLatentAttention.forward, MLASelfAttention.get_query_key_value_tensors)
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    # one process, no TCP rendezvous (a 'free' port can be taken by a parallel test run)
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
     runtime.init_distributed(Parallel())
     try:
         yield
