@@ -6,7 +6,13 @@ What it runs, per config (one process, one device, TP=PP=EP=1):
 * a megatron-core ``GPTModel`` built from an HF DeepSeek-V3 config through
   ``dsv3_rl.convert.config_map.hf_to_mcore_config`` and megatron's *local* layer spec
   (``get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")``:
-  no Transformer Engine, so core attention is megatron's unfused ``DotProductAttention``);
+  no Transformer Engine). Core attention is megatron's local ``DotProductAttention``, which with
+  patch 0012 runs torch SDPA when TE is absent (``attention_backend`` auto; fused flash / cuDNN /
+  memory-efficient kernel on GPU) or the matmul + softmax path (``--attention unfused``). The row
+  records what the built model really ran: ``impl.attention`` = ``sdpa`` | ``unfused`` (from
+  ``core_attention.use_sdpa``), ``impl.attention_kernel`` (the SDPA kernel, read off the autograd
+  node of the attention output: cudnn, flash, efficient, flash_cpu or math) and ``impl.moe_experts``
+  (patch 0013's grouped_mm or the per-expert loop);
 * wrapped in megatron's ``DistributedDataParallel`` (``grad_reduce_in_fp32=True``, verl's default)
   with megatron's ``DistributedOptimizer`` (Adam; without apex/TE megatron falls back to
   ``torch.optim.Adam``; fp32 main params + exp_avg + exp_avg_sq, sharded over DP=1);
@@ -84,10 +90,14 @@ PROXY_BASE = dict(
 )
 
 
-def _cfg(name, layers, experts, seq, mbs=1, nmb=2, recompute=None, **hf):
+def _cfg(name, layers, experts, seq, mbs=1, nmb=2, recompute=None, attention=None, **hf):
+    """``attention``: megatron ``attention_backend`` for the config (None: auto, i.e. SDPA without TE)."""
     model = dict(PROXY_BASE, num_hidden_layers=layers, n_routed_experts=experts, **hf)
-    return dict(name=name, hf_config=model, seq_length=seq, micro_batch_size=mbs, num_microbatches=nmb,
-                recompute=recompute or {"granularity": None})
+    cfg = dict(name=name, hf_config=model, seq_length=seq, micro_batch_size=mbs, num_microbatches=nmb,
+               recompute=recompute or {"granularity": None})
+    if attention:
+        cfg["attention_backend"] = attention
+    return cfg
 
 
 SEL = "selective"
@@ -116,14 +126,21 @@ GPU_SET = [
 _TINY = dict(vocab_size=2048, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
              num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=64,
              qk_rope_head_dim=16, v_head_dim=32, qk_nope_head_dim=32)
-#: The same kinds of configs at a size a 2-core CPU runs in seconds (emulated accounting).
+#: The same kinds of configs at a size a 2-core CPU runs in seconds (emulated accounting). Pinned to
+#: the unfused attention path: on CPU, torch SDPA runs MLA's unequal q/k and v head dims through its
+#: math kernel (S x S tensors, not modelled), and tests/assets/planner/cpu_emulated_smoke.jsonl was
+#: recorded on the unfused path (before patch 0012).
 CPU_SMOKE_SET = [
-    _cfg("tiny-L3-E8-s256-none", 3, 8, 256, **_TINY),
-    _cfg("tiny-L4-E8-s256-full", 4, 8, 256, recompute={"granularity": "full", "method": "uniform", "num_layers": 1}, **_TINY),
-    _cfg("tiny-L3-E16-s512-coreattn", 3, 16, 512, recompute={"granularity": SEL, "modules": ["core_attn"]}, **_TINY),
+    _cfg("tiny-L3-E8-s256-none", 3, 8, 256, attention="unfused", **_TINY),
+    _cfg("tiny-L4-E8-s256-full", 4, 8, 256, recompute={"granularity": "full", "method": "uniform", "num_layers": 1},
+         attention="unfused", **_TINY),
+    _cfg("tiny-L3-E16-s512-coreattn", 3, 16, 512, recompute={"granularity": SEL, "modules": ["core_attn"]},
+         attention="unfused", **_TINY),
     _cfg("tiny-L3-E8-s128x2-selheavy", 3, 8, 128, mbs=2,
-         recompute={"granularity": SEL, "modules": ["core_attn", "mla_up_proj", "mlp", "shared_experts"]}, **_TINY),
-    _cfg("tiny-L3-E16-s256-selmoe", 3, 16, 256, recompute={"granularity": SEL, "modules": ["mla_up_proj", "moe"]}, **_TINY),
+         recompute={"granularity": SEL, "modules": ["core_attn", "mla_up_proj", "mlp", "shared_experts"]},
+         attention="unfused", **_TINY),
+    _cfg("tiny-L3-E16-s256-selmoe", 3, 16, 256, recompute={"granularity": SEL, "modules": ["mla_up_proj", "moe"]},
+         attention="unfused", **_TINY),
 ]
 
 SETS = {"gpu": GPU_SET, "cpu-smoke": CPU_SMOKE_SET}
@@ -179,9 +196,16 @@ def _live_bytes_mode():
 
 # --- model construction ----------------------------------------------------------------------
 
-def _mcore_config(hf_config: dict, recompute: dict, dtype, on_cuda: bool = False):
-    """megatron MLATransformerConfig for the proxy, TP=PP=EP=1, with the requested recompute."""
+def _mcore_config(hf_config: dict, recompute: dict, dtype, on_cuda: bool = False, attention: str | None = None):
+    """megatron MLATransformerConfig for the proxy, TP=PP=EP=1, with the requested recompute and
+    attention_backend (None: megatron's default, auto)."""
     rc = {}
+    if attention:
+        from megatron.core.transformer.enums import AttnBackend
+
+        if attention not in AttnBackend.__members__:
+            raise ValueError(f"attention_backend={attention!r}; allowed: {sorted(AttnBackend.__members__)}")
+        rc["attention_backend"] = AttnBackend[attention]
     if recompute.get("granularity"):
         rc["recompute_granularity"] = recompute["granularity"]
         if recompute["granularity"] == "full":
@@ -248,6 +272,52 @@ def _init_single_process(on_cuda: bool):
         torch.manual_seed(1234)
 
 
+_SDPA_NODES = (("Cudnn", "cudnn"), ("FlashAttentionForCpu", "flash_cpu"), ("Flash", "flash"),
+               ("Efficient", "efficient"))
+
+
+def _attention_kernel(out) -> str | None:
+    """The SDPA kernel behind a core-attention output, from its autograd nodes (None: no graph,
+    e.g. a no-grad checkpoint forward)."""
+    stack, seen = [getattr(out, "grad_fn", None)], 0
+    while stack and seen < 8:  # output <- reshape <- permute <- SDPA node
+        fn = stack.pop(0)
+        if fn is None:
+            continue
+        seen += 1
+        name = type(fn).__name__
+        if name.startswith("ScaledDotProduct"):
+            return next((k for pat, k in _SDPA_NODES if pat in name), name)
+        if "Softmax" in name or name.startswith("Bmm") or name.startswith("Baddbmm"):
+            return "math"
+        stack += [f for f, _ in fn.next_functions]
+    return None
+
+
+def attention_used(model) -> dict:
+    """What the built model's core attention and experts run (patches 0012 / 0013), as the row's
+    impl fields; the SDPA kernel is filled in by the hook ``watch_attention_kernel`` installs."""
+    att = model.decoder.layers[0].self_attention.core_attention
+    sdpa = getattr(att, "use_sdpa", None)  # None: patch 0012 absent, the unfused path
+    moe = [l.mlp.experts for l in model.decoder.layers if hasattr(l.mlp, "experts")]
+    grouped = getattr(moe[0], "grouped_mm", None) if moe else None
+    return dict(attention="sdpa" if sdpa else "unfused", attention_reason=getattr(att, "sdpa_reason", None),
+                attention_kernel=None if sdpa else "unfused",
+                moe_experts=None if not moe else ("grouped_mm" if grouped else "loop"))
+
+
+def watch_attention_kernel(model, impl: dict):
+    """Forward hook on the first layer's core attention: records the SDPA kernel of the first call
+    that builds a graph (the recompute of a checkpointed one counts too). Returns the handle."""
+    att = model.decoder.layers[0].self_attention.core_attention
+
+    def hook(_mod, _inp, out):
+        if impl.get("attention") == "sdpa" and impl.get("attention_kernel") is None:
+            impl["attention_kernel"] = _attention_kernel(out[0] if isinstance(out, tuple) else out)
+
+    return att.register_forward_hook(hook)
+
+
 class _CpuDistOptEmulation:
     """CPU ONLY: megatron's DistributedOptimizer allocates CUDA tensors in __init__, so on CPU this
     mirrors its memory at DP=1: an fp32 main copy of every bf16 param, torch Adam (exp_avg,
@@ -296,7 +366,11 @@ def run_one(cfg: dict, steps: int, on_cuda: bool) -> dict:
         torch.cuda.reset_peak_memory_stats()
     base_alloc = torch.cuda.memory_allocated() if on_cuda else 0
 
-    config = _mcore_config(hf, cfg["recompute"], dtype, on_cuda)
+    # GPTModel exports NVTE_{FLASH,FUSED,UNFUSED}_ATTN for its attention_backend and asserts that a
+    # previous model's values agree; they only steer TE (absent here), so configs of one run may differ
+    for var in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):
+        os.environ.pop(var, None)
+    config = _mcore_config(hf, cfg["recompute"], dtype, on_cuda, cfg.get("attention_backend"))
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
     with tracker if tracker is not None else contextlib.nullcontext():
         model = GPTModel(config, spec, vocab_size=hf["vocab_size"], max_sequence_length=hf["max_position_embeddings"],
@@ -308,6 +382,8 @@ def run_one(cfg: dict, steps: int, on_cuda: bool) -> dict:
                                                          use_distributed_optimizer=True, clip_grad=1.0), [ddp])
         else:
             opt = _CpuDistOptEmulation(model)
+    used = attention_used(model)
+    watch = watch_attention_kernel(model, used)
     n_params = sum(p.numel() for p in model.parameters())
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     grad_bytes = sum(b.grad_data.numel() * b.grad_data.element_size() for b in ddp.buffers + ddp.expert_parallel_buffers)
@@ -351,6 +427,7 @@ def run_one(cfg: dict, steps: int, on_cuda: bool) -> dict:
                 peak = tracker.peak
         losses.append(float(sum(r["loss"] for r in res) / len(res)))
     elapsed = time.time() - t0
+    watch.remove()
     opt_bytes = 0
     for o in getattr(opt, "chained_optimizers", [opt]):
         for grp in o.shard_fp32_from_float16_groups if hasattr(o, "shard_fp32_from_float16_groups") else []:
@@ -361,7 +438,8 @@ def run_one(cfg: dict, steps: int, on_cuda: bool) -> dict:
         name=cfg["name"], device="cuda" if on_cuda else "cpu-emulated",
         gpu=torch.cuda.get_device_name() if on_cuda else None,
         hf_config=hf, seq_length=s, micro_batch_size=b, num_microbatches=nmb, recompute=cfg["recompute"],
-        impl=dict(transformer_impl="local", attention="unfused", loss="megatron_ce", optimizer=("megatron DistributedOptimizer(adam, torch fallback)" if on_cuda
+        impl=dict(transformer_impl="local", **used, attention_backend=cfg.get("attention_backend") or "auto",
+                  loss="megatron_ce", optimizer=("megatron DistributedOptimizer(adam, torch fallback)" if on_cuda
                                               else "cpu emulation of DistributedOptimizer at DP=1 (fp32 main + torch Adam)"),
                   grad_reduce_in_fp32=True, dtype="bf16", moe_grouped_gemm=False, dispatcher="alltoall"),
         params=n_params, weight_bytes=weight_bytes, grad_bytes=grad_bytes, optimizer_bytes=opt_bytes,
@@ -403,6 +481,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=2, help="optimizer steps; the last one is reported (default 2)")
     ap.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     ap.add_argument("--out", type=Path, default=None, help="also write the JSON lines here (atomic)")
+    ap.add_argument("--attention", choices=["auto", "sdpa", "unfused"], default=None,
+                    help="megatron attention_backend for every config (default: each config's own; GPU set: auto = "
+                         "SDPA without TE, patch 0012; cpu-smoke: unfused)")
     ap.add_argument("--list", action="store_true", help="list the configs of every set and exit")
     ap.add_argument("--predict-only", action="store_true",
                     help="run nothing: write the planner's predictions for the set with measured: null")
@@ -421,7 +502,11 @@ def main(argv=None) -> int:
         for c in SETS[args.set or "gpu"]:
             if args.only and c["name"] not in args.only.split(","):
                 continue
+            backend = args.attention or c.get("attention_backend") or "auto"
+            # what a GPU without TE runs: SDPA's fused kernel unless unfused is asked for
             row = dict(copy.deepcopy(c), device=None, measured=None, peak_allocated=None, static_allocated=None,
+                       impl=dict(transformer_impl="local", attention="unfused" if backend == "unfused" else "sdpa",
+                                 attention_backend=backend, attention_kernel=None),
                        note="planner prediction only; replace with `python bench/measure_train_memory.py --out ...` "
                             "run on a GPU")
             _add_prediction(row)
@@ -445,6 +530,8 @@ def main(argv=None) -> int:
             print(f"error: --only {unknown} not in set; known: {[c['name'] for c in cfgs]}", file=sys.stderr)
             return 2
         cfgs = [c for c in cfgs if c["name"] in want]
+    if args.attention:
+        cfgs = [dict(c, attention_backend=args.attention) for c in cfgs]
     if args.steps < 1:
         print("error: --steps must be >= 1", file=sys.stderr)
         return 2

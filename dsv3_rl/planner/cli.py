@@ -188,7 +188,7 @@ def cmd_published(a) -> int:
 
 
 def cmd_validate(a) -> int:
-    from dsv3_rl.planner.validation import load_measurements, predict_row
+    from dsv3_rl.planner.validation import load_measurements, predict_row, row_attention
 
     paths = a.measured or sorted(ASSETS.glob("measured_*.jsonl"))
     if not paths:
@@ -207,7 +207,8 @@ def cmd_validate(a) -> int:
             err = pred / meas - 1
             worst = max(worst, abs(err))
             n += 1
-            print(f"{row['name']:30s} predicted {pred / 2**30:7.2f} GiB  measured {meas / 2**30:7.2f} GiB  error {err:+.1%}")
+            print(f"{row['name']:30s} predicted {pred / 2**30:7.2f} GiB  measured {meas / 2**30:7.2f} GiB  error {err:+.1%}"
+                  f"  attention {row_attention(row)}")
     if not n:
         print("summary: no GPU measurements (device 'cuda') yet; nothing validated", file=sys.stderr)
         return 1

@@ -8,7 +8,10 @@ Activations are *bytes saved for backward per token per layer* for two implement
   Every coefficient here was read off real megatron-core 0.16.1 autograd graphs with
   ``saved_tensors_hooks`` (``tests/unit/test_planner_activations.py`` re-checks them on CPU):
   torch ``RMSNorm`` keeps fp32 weights, so norms save an fp32 input + output; the unfused
-  SwiGLU saves five ffn-wide tensors; unfused core attention saves fp32 softmax + bf16 probs.
+  SwiGLU saves five ffn-wide tensors. Core attention per ``Options.attention_impl``: ``sdpa``
+  (patch 0012's default without TE: torch SDPA with a fused kernel saves q, k, v, its output and
+  the fp32 logsumexp; nothing S x S) or ``unfused`` (attention_backend=unfused: fp32 softmax +
+  bf16 probs, S x S per head, plus megatron's persistent S x S matmul buffer).
 * ``transformer_engine``: the TE spec used on GPU clusters: fused norms saving bf16, fused
   LayerNorm+Linear for the MLA up-projections and the dense fc1, fused SwiGLU (input + output),
   flash/fused attention (q, k, v, out, lse; no S^2 term), column-parallel MLA down-projections
@@ -84,8 +87,10 @@ class LayerAct:
     full: float          # saved without recompute (the recompute working set)
 
 
-def _layer_parts(m, moe: bool, lay, opt, seq: int) -> dict[str, float]:
-    """Saved bytes per token of the micro-batch on this GPU (before SP), by part."""
+def _layer_parts(m, moe: bool, lay, opt, seq: int, batch: int = 1) -> dict[str, float]:
+    """Saved bytes per token of the micro-batch on this GPU (before SP), by part. ``seq``: tokens
+    per sequence, ``batch``: sequences per micro-batch (local spec only; decides whether SDPA saves
+    views of the checkpointed q, k, v or its own copies)."""
     h, nh = m.hidden, m.num_heads
     qr, kvr, dn, dr, dv = m.q_lora_rank or 0, m.kv_lora_rank, m.qk_nope_dim, m.qk_rope_dim, m.v_head_dim
     t, etp = lay.tp, lay.etp_
@@ -101,7 +106,15 @@ def _layer_parts(m, moe: bool, lay, opt, seq: int) -> dict[str, float]:
         d["rope_k"] = 8 * dr
         d["qkv"] = 2 * nh / t * (2 * (dn + dr) + dv)
         d["attn_out"] = 2 * nh / t * dv
-        d["core_attn_s2"] = (6 * nh / t + 1) * seq
+        if opt.attention_impl == "unfused":
+            d["core_attn_s2"] = (6 * nh / t + 1) * seq
+            d["core_attn_lse"] = 0.0
+        else:  # torch SDPA, fused kernel (flash / cuDNN / memory-efficient; CPU: flash-for-cpu)
+            # q, k, v as above (for batch > 1 the contiguous [b, h, s, d] copies patch 0012 makes);
+            # the kernel's output ([b, s, h, d] memory) is a view of linear_proj's [s, b, h*d] input
+            # (attn_out), so only the fp32 logsumexp per head is new
+            d["core_attn_s2"] = 0.0
+            d["core_attn_lse"] = 4 * nh / t
         d["ln_mlp"] = (8 * h + 4) / sp
         if moe:
             d["shared"] = 2 * h / sp + 10 * m.shared_ffn / t
@@ -119,7 +132,7 @@ def _layer_parts(m, moe: bool, lay, opt, seq: int) -> dict[str, float]:
     d["rope_k"] = 2 * dr
     d["qkv"] = 2 * nh / t * (2 * (dn + dr) + dv)
     d["attn_out"] = 2 * nh / t * dv + 4 * nh / t
-    d["core_attn_s2"] = 0.0
+    d["core_attn_s2"] = d["core_attn_lse"] = 0.0
     if moe:
         d["ln_mlp"] = (4 * h + 4) / sp
         d["shared"] = 6 * m.shared_ffn / t
@@ -132,7 +145,7 @@ def _layer_parts(m, moe: bool, lay, opt, seq: int) -> dict[str, float]:
     return d
 
 
-def _dropped(m, moe: bool, lay, opt, parts: dict[str, float]) -> float:
+def _dropped(m, moe: bool, lay, opt, parts: dict[str, float], batch: int = 1) -> float:
     """Bytes per token the recompute choice does not keep."""
     if lay.recompute == "none":
         return 0.0
@@ -144,12 +157,22 @@ def _dropped(m, moe: bool, lay, opt, parts: dict[str, float]) -> float:
     local = opt.transformer_impl == "local"
     drop = 0.0
     if "core_attn" in mods:
-        drop += parts["core_attn_s2"] + (0.0 if local else 4 * m.num_heads / lay.tp)
-    if "mla_up_proj" in mods and not local:
-        # TE: flash attention saves the up-projected q, k, v themselves, which the checkpoint
-        # frees; plus the fused up-proj LayerNorms' outputs. Local spec: the unfused attention
-        # saves its own reshaped copies of q, k, v, so this recompute frees nothing (measured).
-        drop += parts["qkv"] + parts["rope_k"] + (2 * (m.q_lora_rank or 0) + 2 * m.kv_lora_rank) / sp
+        # the checkpoint keeps q, k, v (its inputs) and the output (linear_proj's input): it frees
+        # the S x S tensors (unfused) or only the logsumexp of a fused kernel
+        drop += parts["core_attn_s2"] + parts["core_attn_lse"]
+        drop += 0.0 if local else 4 * m.num_heads / lay.tp
+    if "mla_up_proj" in mods:
+        if not local:
+            # TE: flash attention saves the up-projected q, k, v themselves, which the checkpoint
+            # frees; plus the fused up-proj LayerNorms' outputs.
+            drop += parts["qkv"] + parts["rope_k"] + (2 * (m.q_lora_rank or 0) + 2 * m.kv_lora_rank) / sp
+        elif opt.attention_impl == "unfused" or batch == 1:
+            # local: the checkpoint discards its outputs q, k, v after core attention; the unfused
+            # path saves views of them, SDPA too for one sequence per micro-batch ([b, h, s, d]
+            # views of [s, b, h, d]), so they are freed. The rope, norms and up-projection inputs
+            # stay (the checkpoint's inputs). SDPA with batch > 1 saves its own contiguous copies:
+            # nothing freed. (Bytes alive after the forward, tests/unit/test_planner_activations.py.)
+            drop += parts["qkv"]
     if "layernorm" in mods:
         if local:  # fp32 in + out replaced by the bf16 checkpoint input
             drop += 2 * ((8 * h + 4) - 2 * h) / sp
@@ -168,10 +191,10 @@ def _dropped(m, moe: bool, lay, opt, parts: dict[str, float]) -> float:
 
 
 @functools.lru_cache(maxsize=4096)
-def layer_activation(m, moe: bool, lay, opt, seq: int) -> LayerAct:
-    parts = _layer_parts(m, moe, lay, opt, seq)
+def layer_activation(m, moe: bool, lay, opt, seq: int, batch: int = 1) -> LayerAct:
+    parts = _layer_parts(m, moe, lay, opt, seq, batch)
     full = sum(parts.values())
-    return LayerAct(parts=parts, kept=full - _dropped(m, moe, lay, opt, parts), full=full)
+    return LayerAct(parts=parts, kept=full - _dropped(m, moe, lay, opt, parts, batch), full=full)
 
 
 def logits_bytes_per_token(m, lay, opt) -> tuple[float, float]:
@@ -250,6 +273,9 @@ def train_memory(m, split, lay, grpo, opt, world: int, n_micro: int) -> tuple[Me
     o_bytes = optimizer_bytes_per_param(opt) * (1 - opt.optimizer_cpu_offload_fraction)
     tokens = grpo.tokens_per_micro_batch / lay.cp  # tokens of one micro-batch on this GPU
     seq = grpo.seq_len if opt.transformer_impl == "local" else 0
+    # sequences per micro-batch (the local spec has no packed THD format)
+    batch = max(1, round(grpo.tokens_per_micro_batch / grpo.seq_len)) if opt.transformer_impl == "local" else 1
+    attention = opt.attention_impl
     ref_offload = opt.param_offload if opt.ref_param_offload is None else opt.ref_param_offload
     out = []
     for r in range(split.pp):
@@ -271,7 +297,7 @@ def train_memory(m, split, lay, grpo, opt, world: int, n_micro: int) -> tuple[Me
             full = 0.0
             n_layers = len(st.decoder) + st.mtp
             for idx in list(st.decoder) + [m.num_layers] * st.mtp:  # MTP is a MoE layer
-                la = layer_activation(m, m.is_moe_layer(idx), lay, opt, seq)
+                la = layer_activation(m, m.is_moe_layer(idx), lay, opt, seq, batch)
                 kept += la.kept
                 full += la.full
                 biggest_layer_full = max(biggest_layer_full, la.full)
@@ -294,7 +320,7 @@ def train_memory(m, split, lay, grpo, opt, world: int, n_micro: int) -> tuple[Me
         # it. The loss phase is over by then, so only the excess over it adds to the peak.
         layer_ws = (biggest_layer_extra + _grad_working_set(m, lay, opt, seq)) * tokens
         mb.transient = max(0.0, layer_ws - mb.logits)
-        if opt.transformer_impl == "local":
+        if attention == "unfused":
             # unfused DotProductAttention keeps a persistent bf16 [b*heads, s, s] matmul buffer
             # (megatron's global memory buffer, dot_product_attention.py:195)
             mb.transient += 2 * m.num_heads / lay.tp * seq * tokens
@@ -307,7 +333,7 @@ def train_memory(m, split, lay, grpo, opt, world: int, n_micro: int) -> tuple[Me
         mb.comm_buffers = _comm_buffer_bytes(m, lay, opt, tokens)
         mb.reserve = opt.reserve_gib * GIB
         mb.detail = dict(params=p.total, dense_params=p.dense, expert_params=p.expert, inflight_chunks=n_inflight,
-                         layers=split.rank_layers(r), tokens_per_microbatch=tokens)
+                         layers=split.rank_layers(r), tokens_per_microbatch=tokens, attention=attention)
         out.append(mb)
     worst = max(out, key=lambda x: x.total)
     return worst, out
@@ -327,7 +353,7 @@ def _grad_working_set(m, lay, opt, seq: int) -> float:
     t = lay.tp
     sp = t if lay.sp_ else 1
     w = 4 * m.hidden / sp  # gradient of the layer input and output
-    if opt.transformer_impl == "local":
+    if opt.attention_impl == "unfused":
         w += 2 * m.num_heads / t * seq  # bf16 gradient of the S x S probabilities
     return w
 

@@ -85,6 +85,16 @@ def _gib(x: float) -> str:
     return f"{x / GIB:6.1f}"
 
 
+_ATTENTION_TEXT = {"fused": "TE flash/fused attention", "sdpa": "torch SDPA fused-kernel attention (patch 0012)",
+                   "unfused": "unfused matmul+softmax attention (S x S saved)"}
+
+
+def _attention_text(o) -> str:
+    """The attention path the memory model used, and whether it was the default."""
+    how = "auto" if o.attention == "auto" else "set"
+    return f"attention {o.attention_impl} ({_ATTENTION_TEXT[o.attention_impl]}, {how})"
+
+
 def evaluation_report(ev, m, c, g, o) -> str:
     cap = c.memory_bytes
     lines = [f"layout: {ev.describe()}", f"trainer GPUs: {ev.trainer_gpus}  DP={ev.layout.dp(ev.trainer_gpus)} "
@@ -94,8 +104,8 @@ def evaluation_report(ev, m, c, g, o) -> str:
         lines.append(f"  rejected by {v}")
     if ev.memory:
         mb = ev.memory
-        lines.append(f"trainer peak per GPU (PP rank {mb.pp_rank}, {mb.detail['params'] / 1e9:.2f}B params on it): "
-                     f"{mb.total / GIB:.1f} GiB of {cap / GIB:.1f} GiB")
+        lines.append(f"trainer peak per GPU (PP rank {mb.pp_rank}, {mb.detail['params'] / 1e9:.2f}B params on it; "
+                     f"{o.transformer_impl} spec, {_attention_text(o)}): {mb.total / GIB:.1f} GiB of {cap / GIB:.1f} GiB")
         for f in mb.FIELDS:
             lines.append(f"  {f:13s}{_gib(getattr(mb, f))} GiB")
         if len(ev.stage_memory) > 1:
@@ -147,7 +157,7 @@ def plan_table(res, top: int = 10, rejected: int = 10) -> str:
     head = [f"model {m.name}: {pc.total / 1e9:.1f}B params ({pc.activated / 1e9:.1f}B activated, MTP {pc.mtp / 1e9:.1f}B "
             f"{'on' if o.mtp else 'off'}), cluster {c.nodes}x{c.gpus_per_node} {c.gpu} ({cap / GIB:.1f} GiB), "
             f"GRPO {g.prompts_per_step} prompts x {g.n_samples}, seq {g.max_prompt_len}+{g.max_response_len}, "
-            f"{o.placement}",
+            f"{o.placement}; {o.transformer_impl} spec, {_attention_text(o)}",
             f"evaluated {res.evaluated} candidates: {len(res.feasible)} feasible, {len(res.rejected)} rejected", ""]
     cols = ("#", "layout", "rollout", "peak GiB", "wts", "grad", "optim", "act", "logit", "other", "bubble", "a2a GiB",
             "sync GiB", "KV tok", "est s")

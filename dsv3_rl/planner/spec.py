@@ -118,6 +118,10 @@ class GRPOShape:
         return self.micro_batch_size * self.seq_len
 
 
+#: Options.attention values and the transformer_impl each applies to.
+ATTENTION = {"auto": ("transformer_engine", "local"), "fused": ("transformer_engine",), "sdpa": ("local",),
+             "unfused": ("local",)}
+
 RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
 """megatron-core 0.16.1 allowed recompute_modules (transformer/transformer_config.py:1198-1211)"""
 
@@ -171,7 +175,15 @@ class Options:
     """plan the vLLM rollout too (False: trainer only, e.g. to check a pre-training recipe)"""
     transformer_impl: str = "transformer_engine"
     """transformer_engine (production: TE spec, flash/fused attention, fused SwiGLU) | local
-    (megatron's local spec: unfused attention, torch norms)"""
+    (megatron's local spec without TE: torch norms, unfused SwiGLU; attention per ``attention``)"""
+    attention: str = "auto"
+    """core attention kernel: auto (what megatron-core 0.16.1 + our patches pick: TE's flash/fused
+    attention on the TE spec; on the local spec torch SDPA, which patch 0012 selects when TE is not
+    installed) | fused (TE flash/cuDNN fused attention; TE spec) | sdpa (torch SDPA with a fused
+    flash/cuDNN/memory-efficient kernel, local spec with patch 0012: q, k, v, out + fp32 logsumexp
+    saved, nothing S x S) | unfused (megatron's matmul + softmax DotProductAttention, local spec
+    with attention_backend=unfused or with TE installed: fp32 softmax + bf16 probs S x S saved).
+    Resolved value: ``Options.attention_impl``"""
     moe_grouped_gemm: bool = True
     dispatcher: str = "alltoall"
     """alltoall | flex (DeepEP/HybridEP) | allgather"""
@@ -216,6 +228,14 @@ class Options:
     """a layout whose predicted torch-allocated peak exceeds this fraction of (GPU memory -
     reserve) is flagged 'tight' and ranked after the others (the model is validated to 15%)"""
 
+    @property
+    def attention_impl(self) -> str:
+        """The attention kernel the memory model uses: fused | sdpa | unfused (``auto`` resolved the
+        way megatron-core 0.16.1 with patch 0012 resolves attention_backend=auto without TE)."""
+        if self.attention != "auto":
+            return self.attention
+        return "fused" if self.transformer_impl == "transformer_engine" else "sdpa"
+
     def __post_init__(self):
         allowed = {
             "placement": ("colocated", "separate"),
@@ -232,6 +252,12 @@ class Options:
         for k, vals in allowed.items():
             if getattr(self, k) not in vals:
                 raise ValueError(f"options.{k}={getattr(self, k)!r}; allowed: {vals}")
+        if self.attention not in ATTENTION:
+            raise ValueError(f"options.attention={self.attention!r}; allowed: {tuple(ATTENTION)}")
+        if self.attention != "auto" and self.transformer_impl not in ATTENTION[self.attention]:
+            raise ValueError(f"options.attention={self.attention!r} needs transformer_impl in "
+                             f"{ATTENTION[self.attention]} (got {self.transformer_impl!r}; TE's own unfused backend "
+                             f"is not modelled)")
         if self.recompute_modules is not None:
             bad = sorted(set(self.recompute_modules) - set(RECOMPUTE_MODULES))
             if bad:

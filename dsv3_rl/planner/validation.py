@@ -3,7 +3,10 @@ memory can be compared with it (``dsv3-plan validate``, tests/unit/test_planner_
 
 A bench row describes one single-GPU megatron-core training step of a DeepSeek-V3-shaped model
 (TP=PP=EP=1, local spec, megatron's cross entropy, DistributedOptimizer at DP=1); the prediction
-is the planner's torch-allocated peak (everything but the non-torch reserve) for that setup.
+is the planner's torch-allocated peak (everything but the non-torch reserve) for that setup. The
+core attention path is the one the row says the built model ran (``impl.attention``: ``sdpa`` or
+``unfused``, read off ``core_attention.use_sdpa`` by the bench; ``impl.attention_kernel`` names the
+SDPA kernel). Rows without it predate patch 0012 and ran the unfused path.
 """
 
 from __future__ import annotations
@@ -35,6 +38,21 @@ def load_measurements(path) -> list[dict]:
     return rows
 
 
+def row_attention(row: dict) -> str:
+    """The planner's ``Options.attention`` for a bench row: what the measured model ran."""
+    impl = row.get("impl") or {}
+    att = impl.get("attention", "unfused")
+    if att not in ("sdpa", "unfused"):
+        raise ValueError(f"row {row.get('name')!r}: impl.attention={att!r}; allowed: sdpa, unfused")
+    kernel = impl.get("attention_kernel")
+    if att == "sdpa" and kernel == "math":
+        # torch's math fallback materialises the S x S scores/probs (CPU with MLA's unequal head
+        # dims): neither of the planner's attention models
+        raise ValueError(f"row {row.get('name')!r}: SDPA ran its math kernel, which the planner does not model; "
+                         f"measure with --attention unfused or head dims a fused kernel takes")
+    return att
+
+
 def bench_setup(row: dict) -> tuple[ModelSpec, Layout, GRPOShape, Options]:
     m = ModelSpec.from_hf(row["hf_config"], name=row["name"])
     rc = row["recompute"] or {}
@@ -47,7 +65,7 @@ def bench_setup(row: dict) -> tuple[ModelSpec, Layout, GRPOShape, Options]:
     # megatron's fallback optimizer is torch Adam(W); on CUDA it runs foreach (one fp32 temporary
     # per param during step()), on CPU per tensor
     torch_foreach = row.get("device") in ("cuda", None) and "torch" in str(row.get("impl", {}).get("optimizer", "torch"))
-    o = Options(transformer_impl="local", loss="megatron_ce", ref_model=False, rollout=False, reserve_gib=0.0,
+    o = Options(transformer_impl="local", attention=row_attention(row), loss="megatron_ce", ref_model=False, rollout=False, reserve_gib=0.0,
                 moe_grouped_gemm=False, grad_reduce_in_fp32=True, distributed_optimizer=True,
                 optimizer_impl="torch" if torch_foreach else "fused")
     return m, lay, g, o

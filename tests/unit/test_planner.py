@@ -176,6 +176,27 @@ def test_option_rules():
     assert {"mcore.moe_act_needs_grouped_gemm", "mcore.flex_needs_tp_ep"} <= rules
 
 
+def test_attention_option_resolves_and_changes_the_local_activations():
+    """auto = what megatron-core + patch 0012 run (TE fused on the TE spec, SDPA on the local spec
+    without TE); unfused (local) adds the S x S softmax/probs and the matmul buffer."""
+    assert Options().attention_impl == "fused"
+    assert Options(transformer_impl="local").attention_impl == "sdpa"
+    assert Options(transformer_impl="local", attention="unfused").attention_impl == "unfused"
+    with pytest.raises(ValueError, match="options.attention='sdpa' needs transformer_impl"):
+        Options(attention="sdpa")
+    with pytest.raises(ValueError, match="options.attention='unfused' needs transformer_impl"):
+        Options(attention="unfused")
+    with pytest.raises(ValueError, match="options.attention='flash'; allowed"):
+        Options(attention="flash")
+    c = Cluster(gpu="H100", nodes=1)
+    g = GRPOShape(prompts_per_step=8, n_samples=1, max_prompt_len=2048, max_response_len=2048, dynamic_batch=False)
+    lay = Layout(tp=1, pp=1, ep=1, recompute="none")
+    mem = {a: evaluate("tiny", c, g, lay, Options(transformer_impl="local", attention=a, rollout=False)).memory
+           for a in ("sdpa", "unfused")}
+    assert mem["sdpa"].detail["attention"] == "sdpa"
+    assert mem["unfused"].activations > 2 * mem["sdpa"].activations  # S = 4096: the S x S term dominates
+
+
 def test_rollout_rules():
     c = Cluster(gpu="H200", nodes=8)
     ev = evaluate("671b", c, G, Layout(tp=8, pp=8, ep=8, etp=1, first_stage_layers=6, last_stage_layers=7,

@@ -1,7 +1,16 @@
 """The planner's activation model for megatron-core's local spec, checked against the bytes a real
-megatron-core 0.16.1 GPTModel saves for backward (``torch.autograd.graph.saved_tensors_hooks``)
-on CPU, for each recompute choice the bench measures. A planted fault (the S^2 attention term
-dropped from the model) must make the comparison fail."""
+megatron-core 0.16.1 GPTModel saves for backward (``torch.autograd.graph.saved_tensors_hooks``;
+the bytes still alive after the forward, so outputs a recompute checkpoint discards count as freed)
+on CPU, for each recompute choice the bench measures and both core-attention paths:
+
+* ``unfused`` (attention_backend=unfused: matmul + softmax, S x S saved);
+* ``sdpa`` (patch 0012, the default without TE): on CPU torch runs its fused flash kernel only for
+  equal q/k and v head dims (else the math kernel), so these cases use v_head_dim = qk_nope + rope;
+  the fused kernel saves what the GPU's flash / cuDNN / efficient kernels save (q, k, v, out, fp32
+  logsumexp).
+
+Planted faults (the S^2 term dropped from the unfused model; the unfused model used for an SDPA run)
+must make the comparison fail."""
 
 from __future__ import annotations
 
@@ -26,6 +35,8 @@ TINY = dict(model_type="deepseek_v3", vocab_size=512, hidden_size=64, intermedia
             rope_interleave=True, attention_bias=False, attention_dropout=0.0, initializer_range=0.02,
             num_nextn_predict_layers=0)
 SEQ, MBS = 96, 2
+#: MLA head dims a fused CPU SDPA kernel takes (q/k 16 + 8 = v 24)
+SDPA_DIMS = dict(v_head_dim=24)
 
 RECOMPUTE = [
     ("none", None),
@@ -61,44 +72,64 @@ def megatron_cpu():
         dist.destroy_process_group()
 
 
-def saved_bytes(recompute: dict | None) -> int:
-    """Bytes of distinct non-parameter storages saved for backward by one forward (with loss)."""
+def saved_bytes(recompute: dict | None, attention: str = "unfused", mbs: int = MBS, hf: dict | None = None,
+                kernels: list | None = None) -> int:
+    """Bytes of distinct non-parameter storages saved for backward by one forward (with loss) and
+    still allocated after it. ``kernels`` collects the autograd node names of the attention."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer.enums import AttnBackend
 
     from dsv3_rl.convert.config_map import Parallel, hf_to_mcore_config
 
-    cfg = hf_to_mcore_config(TINY, Parallel(), dtype=torch.bfloat16, use_cpu_initialization=True, **(recompute or {}))
+    hf = dict(TINY, **(hf or {}))
+    for var in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):  # set by the previous GPTModel
+        os.environ.pop(var, None)
+    cfg = hf_to_mcore_config(hf, Parallel(), dtype=torch.bfloat16, use_cpu_initialization=True,
+                             attention_backend=AttnBackend[attention], **(recompute or {}))
     spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization="RMSNorm")
     torch.manual_seed(0)
-    model = GPTModel(cfg, spec, vocab_size=TINY["vocab_size"], max_sequence_length=4096,
+    model = GPTModel(cfg, spec, vocab_size=hf["vocab_size"], max_sequence_length=4096,
                      position_embedding_type="rope", share_embeddings_and_output_weights=False)
+    assert model.decoder.layers[0].self_attention.core_attention.use_sdpa == (attention == "sdpa")
     params = {p.untyped_storage()._cdata for p in model.parameters()}
-    seen: dict[int, int] = {}
+    seen: dict = {}
 
     def pack(t):
         s = t.untyped_storage()
         if s._cdata not in params:
-            seen.setdefault(s._cdata, s.nbytes())
+            seen.setdefault(s._cdata, s)
         return t
 
-    ids = torch.randint(0, TINY["vocab_size"], (MBS, SEQ), generator=torch.Generator().manual_seed(0))
-    pos = torch.arange(SEQ).expand(MBS, SEQ)
+    ids = torch.randint(0, hf["vocab_size"], (mbs, SEQ), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(SEQ).expand(mbs, SEQ)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(ids, pos, None, labels=ids)
-    return sum(seen.values())
+        out = model(ids, pos, None, labels=ids)
+    if kernels is not None:
+        stack, done = [out.grad_fn], set()
+        while stack:
+            fn = stack.pop()
+            if fn is None or fn in done:
+                continue
+            done.add(fn)
+            name = type(fn).__name__
+            if "ScaledDotProduct" in name or "Softmax" in name:
+                kernels.append(name)
+            stack += [f for f, _ in fn.next_functions]
+    return sum(s.nbytes() for s in seen.values())
 
 
-def predicted_bytes(recompute: dict | None, drop_s2: bool = False) -> float:
-    m = ModelSpec.from_hf(TINY)
+def predicted_bytes(recompute: dict | None, drop_s2: bool = False, attention: str = "unfused", mbs: int = MBS,
+                    hf: dict | None = None) -> float:
+    m = ModelSpec.from_hf(dict(TINY, **(hf or {})))
     rc = recompute or {}
     lay = Layout(recompute=rc.get("recompute_granularity") or "none",
                  recompute_modules=tuple(rc.get("recompute_modules", ())))
-    opt = Options(transformer_impl="local", loss="megatron_ce", moe_grouped_gemm=False)
-    tokens = SEQ * MBS
+    opt = Options(transformer_impl="local", attention=attention, loss="megatron_ce", moe_grouped_gemm=False)
+    tokens = SEQ * mbs
     total = 0.0
     for i in range(m.num_layers):
-        la = layer_activation(m, m.is_moe_layer(i), lay, opt, SEQ)
+        la = layer_activation(m, m.is_moe_layer(i), lay, opt, SEQ, mbs)
         kept = la.kept - (la.parts["core_attn_s2"] if drop_s2 and lay.recompute == "none" else 0.0)
         total += kept * tokens
     saved_logits, _ = logits_bytes_per_token(m, lay, opt)
@@ -112,6 +143,27 @@ def test_saved_activation_bytes_match_megatron(megatron_cpu, name, recompute):
     measured = saved_bytes(recompute)
     predicted = predicted_bytes(recompute)
     assert abs(predicted / measured - 1) < 0.03, (name, measured, predicted, predicted / measured - 1)
+
+
+SDPA_CASES = [(n, rc, mbs) for n, rc in RECOMPUTE if n in ("none", "core_attn", "mla_up_proj", "full") for mbs in (1, 2)]
+
+
+@pytest.mark.parametrize("name,recompute,mbs", SDPA_CASES, ids=[f"{n}-mbs{b}" for n, _, b in SDPA_CASES])
+def test_sdpa_saved_activation_bytes_match_megatron(megatron_cpu, name, recompute, mbs):
+    """patch 0012's SDPA path with a fused kernel: no S x S term, logsumexp + (mbs > 1) an output copy."""
+    kernels: list = []
+    measured = saved_bytes(recompute, attention="sdpa", mbs=mbs, hf=SDPA_DIMS, kernels=kernels)
+    if name not in ("core_attn", "full"):  # a checkpointed attention leaves no node in the forward graph
+        assert kernels and all(k == "ScaledDotProductFlashAttentionForCpuBackward0" for k in kernels), kernels
+    predicted = predicted_bytes(recompute, attention="sdpa", mbs=mbs, hf=SDPA_DIMS)
+    assert abs(predicted / measured - 1) < 0.03, (name, mbs, measured, predicted, predicted / measured - 1)
+
+
+def test_planted_fault_unfused_model_for_sdpa_run_is_caught(megatron_cpu):
+    """Twin: predicting an SDPA run with the unfused attention model (S x S term) must miss."""
+    measured = saved_bytes(None, attention="sdpa", hf=SDPA_DIMS)
+    faulty = predicted_bytes(None, attention="unfused", hf=SDPA_DIMS)
+    assert abs(faulty / measured - 1) >= 0.03, (measured, faulty)
 
 
 def test_planted_fault_dropping_s2_term_is_caught(megatron_cpu):

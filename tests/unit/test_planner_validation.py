@@ -1,7 +1,8 @@
 """Planner predictions vs measured peak memory of real megatron-core training steps
 (``bench/measure_train_memory.py``), kept under tests/assets/planner/.
 
-* ``measured_gpu.jsonl``: the GPU set. Rows measured on CUDA must be within 15% of the planner;
+* ``measured_gpu.jsonl``: the GPU set (one H200, 2026-11-22; core attention through torch SDPA,
+  patch 0012's default without TE). Rows measured on CUDA must be within 15% of the planner;
   rows with ``measured: null`` (not run on a GPU yet) make the 15% test skip, saying so.
 * ``cpu_emulated_smoke.jsonl``: the same kind of step on CPU with the allocator emulated (storage
   bytes alive, 512 B blocks) - not a GPU measurement, checked to 10% as a regression guard.
@@ -9,13 +10,14 @@
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-from dsv3_rl.planner.validation import load_measurements, predict_row
+from dsv3_rl.planner.validation import bench_setup, load_measurements, predict_row, row_attention
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets" / "planner"
 GPU = ASSETS / "measured_gpu.jsonl"
@@ -46,6 +48,53 @@ def test_gpu_measurements_within_15_percent():
     assert len(errors) >= 4, errors
     bad = {k: f"{v:+.1%}" for k, v in errors.items() if abs(v) > TOLERANCE}
     assert not bad, f"predictions off by more than {TOLERANCE:.0%}: {bad}"
+
+
+def test_gpu_rows_say_the_attention_path_they_ran():
+    """The GPU set ran without TE, so patch 0012 put core attention on torch SDPA; the rows say so
+    and the planner predicts them with its SDPA (fused kernel) model."""
+    rows = _gpu_rows()
+    if not rows:
+        pytest.skip("no GPU measurement yet")
+    assert {row_attention(r) for r in rows} == {"sdpa"}
+    m, lay, g, o = bench_setup(rows[0])
+    assert o.attention_impl == "sdpa"
+
+
+def test_planted_fault_unfused_attention_model_fails_gpu_rows():
+    """Twin: predicting the (SDPA) GPU rows with the unfused S x S attention model - the bug this
+    label fixes - must fail the 15% check."""
+    rows = _gpu_rows()
+    if not rows:
+        pytest.skip("no GPU measurement yet")
+    errors = {}
+    for r in rows:
+        wrong = copy.deepcopy(r)
+        wrong["impl"]["attention"] = "unfused"
+        errors[r["name"]] = predict_row(wrong) / r["peak_allocated"] - 1
+    assert any(abs(e) > TOLERANCE for e in errors.values()), errors
+
+
+def test_row_attention_rejects_what_is_not_modelled():
+    assert row_attention({"name": "x"}) == "unfused"  # rows from before patch 0012
+    assert row_attention({"name": "x", "impl": {"attention": "sdpa", "attention_kernel": "cudnn"}}) == "sdpa"
+    with pytest.raises(ValueError, match="math kernel"):
+        row_attention({"name": "x", "impl": {"attention": "sdpa", "attention_kernel": "math"}})
+    with pytest.raises(ValueError, match="allowed: sdpa, unfused"):
+        row_attention({"name": "x", "impl": {"attention": "flash"}})
+
+
+def test_bench_reads_the_sdpa_kernel_off_the_graph():
+    torch = pytest.importorskip("torch")
+    bench = _bench()
+    q = torch.randn(1, 2, 8, 16, requires_grad=True)
+    out = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)  # fused CPU kernel
+    assert bench._attention_kernel(out.permute(2, 0, 1, 3).reshape(8, 1, 32)) == "flash_cpu"
+    v = torch.randn(1, 2, 8, 8, requires_grad=True)  # unequal head dims: torch's math fallback on CPU
+    out = torch.nn.functional.scaled_dot_product_attention(q, q, v, is_causal=True)
+    assert bench._attention_kernel(out) == "math"
+    with torch.no_grad():
+        assert bench._attention_kernel(torch.nn.functional.scaled_dot_product_attention(q, q, q)) is None
 
 
 def test_cpu_emulated_within_10_percent():
