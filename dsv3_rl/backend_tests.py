@@ -65,7 +65,9 @@ def run_suite(src: Path, import_root: Path | None, jobs_out: Path) -> tuple[set[
         print(f"[backend-tests] {i}/{len(files)} {rel}: {len(p)} passed, {len(fl)} failed "
               f"({time.time() - t0:.0f}s)", flush=True)
         # Ray leaves daemons behind when a test file dies; never let one leak into the next file.
-        subprocess.run(["ray", "stop", "--force"], capture_output=True, env=env)
+        ray = Path(sys.executable).with_name("ray")  # the venv's, also when its bin/ is not on PATH
+        if ray.exists():
+            subprocess.run([str(ray), "stop", "--force"], capture_output=True, env=env)
     return passed, failed
 
 
