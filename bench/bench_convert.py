@@ -8,7 +8,9 @@ fresh process (``python -m dsv3_rl.convert``, under torchrun with ``--nproc`` > 
 * hf->mcore, mcore->hf: GB/s (tensor bytes / wall time incl. start-up), peak RSS of the process
   tree (max over ranks), and whether the round trip is bit-identical;
 * verl 0.9.1's ``scripts/converter_hf_to_mcore.py`` on the same HF directory: GB/s and peak RSS when it
-  runs, else the reason it does not (its first error line).
+  runs, else the reason it does not (its first error line). Without CUDA it is run with
+  ``VERL_PLATFORM=cpu``, then retried with gloo and CPU-safe config flags (unless holding its two
+  full models would not fit in RAM) so that every blocker shows.
 
 Ends with one summary line; ``--json`` also writes the numbers to a file.
 """
@@ -47,6 +49,81 @@ def first_error(text: str) -> str:
         if re.match(r"^(\w+\.)*\w*(Error|Exception|error)\b", ln) or ln.startswith("error:"):
             return ln[:300]
     return (lines[-1] if lines else "no output")[:300]
+
+
+VERL_SCRIPT = REPO / "backends" / "verl-0.9.1" / "scripts" / "converter_hf_to_mcore.py"
+# On a machine without CUDA: gloo instead of its hard-coded NCCL, and the config flags that need CUDA
+# or extra kernels off (persist_layer_norm: TE/apex; grouped GEMM: the grouped_gemm package; shared
+# expert overlap: a CUDA stream), so the next blocker shows.
+CPU_SHIM = """import runpy, sys, torch.distributed as d
+_i = d.init_process_group
+d.init_process_group = lambda *a, **k: _i("gloo")
+import verl.models.mcore as vm
+_c = vm.hf_to_mcore_config
+def _cfg(*a, **k):
+    c = _c(*a, **k)
+    c.persist_layer_norm = c.moe_grouped_gemm = c.moe_shared_expert_overlap = False
+    return c
+vm.hf_to_mcore_config = _cfg
+sys.argv = {argv!r}
+runpy.run_path({script!r}, run_name="__main__")
+"""
+
+
+def fused_experts_note() -> str | None:
+    """verl's DeepSeek-V3 converter iterates ``hf_layer.mlp.experts`` per expert; transformers 5 holds
+    them fused in one module (not iterable), so the script cannot work with it on any device."""
+    try:
+        import torch
+        from transformers.models.deepseek_v3 import modeling_deepseek_v3 as m
+        import transformers
+    except ImportError:
+        return None
+    moe = getattr(m, "DeepseekV3NaiveMoe", None)
+    if moe is None or issubclass(moe, torch.nn.ModuleList) or hasattr(moe, "__iter__"):
+        return None
+    return (f"and transformers {transformers.__version__} fuses the experts (DeepseekV3NaiveMoe is not iterable), "
+            "which the script iterates one by one")
+
+
+def run_verl(py: list[str], hf: Path, out: Path, env: dict, nbytes: int, timeout: int) -> dict:
+    """verl 0.9.1's own converter on the same HF dir: GB/s and peak RSS if it runs, else why not."""
+    import torch
+
+    argv = [str(VERL_SCRIPT), "--hf_model_path", str(hf), "--output_path", str(out), "--use_cpu_initialization"]
+    cpu = not torch.cuda.is_available()
+    venv = dict(env, VERL_PLATFORM="cpu") if cpu else env
+    shutil.rmtree(out, ignore_errors=True)
+    r = run_measured(py + argv, venv, timeout)
+    ok = r["rc"] == 0 and (out / "metadata.json").exists()
+    err = None if ok else first_error(r["stderr"] + r["stdout"])
+    if not ok and cpu:
+        # it materialises the megatron model and the whole HF model: ~2x the checkpoint in RAM
+        need, avail = 2.2 * nbytes / 1e9, _available_gb()
+        if avail is not None and need > 0.8 * avail:
+            err += f"; CPU retry not attempted: it holds both models (~{need:.1f} GB) and {avail:.1f} GB are available"
+        else:
+            shutil.rmtree(out, ignore_errors=True)
+            r = run_measured(py + ["-c", CPU_SHIM.format(argv=["converter_hf_to_mcore.py", *argv[1:]], script=str(VERL_SCRIPT))],
+                             venv, timeout)
+            ok = r["rc"] == 0 and (out / "metadata.json").exists()
+            err += "; with gloo and CPU-safe config flags: " + ("ran" if ok else first_error(r["stderr"] + r["stdout"]))
+            if not ok and "layer_norm_weight" in err:
+                err += " (it writes Transformer Engine's fused-norm names only)"
+    if not ok and (note := fused_experts_note()):
+        err += "; " + note
+    return {"ran": ok, "seconds": r["seconds"], "peak_rss_gb": r["peak_rss_gb"],
+            "gb_per_s": nbytes / 1e9 / r["seconds"] if ok else None, "error": None if ok else err}
+
+
+def _available_gb() -> float | None:
+    try:
+        for ln in Path("/proc/meminfo").read_text().splitlines():
+            if ln.startswith("MemAvailable:"):
+                return int(ln.split()[1]) / (1 << 20)
+    except OSError:
+        pass
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,26 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         diffs = compare_hf(hf, work / "back")
         results["bit_exact"] = not diffs
         if not args.skip_verl:
-            out = work / "verl_mcore"
-            shutil.rmtree(out, ignore_errors=True)
-            script = REPO / "backends" / "verl-0.9.1" / "scripts" / "converter_hf_to_mcore.py"
-            r = run_measured(py + [str(script), "--hf_model_path", str(hf), "--output_path", str(out),
-                                   "--use_cpu_initialization"], env, args.timeout)
-            ok = r["rc"] == 0 and (out / "metadata.json").exists()
-            err = None if ok else first_error(r["stderr"] + r["stdout"])
-            if not ok and "NCCL" in (err or ""):
-                # CPU machine: it hard-codes init_process_group("nccl"). Retry with gloo to see what comes next.
-                shim = ("import runpy, sys, torch.distributed as d; _i = d.init_process_group; "
-                        "d.init_process_group = lambda *a, **k: _i('gloo'); "
-                        f"sys.argv = {[str(script), '--hf_model_path', str(hf), '--output_path', str(out), '--use_cpu_initialization']!r}; "
-                        f"runpy.run_path({str(script)!r}, run_name='__main__')")
-                shutil.rmtree(out, ignore_errors=True)
-                r = run_measured(py + ["-c", shim], env, args.timeout)
-                ok = r["rc"] == 0 and (out / "metadata.json").exists()
-                err = err + "; with gloo instead: " + ("ran" if ok else first_error(r["stderr"] + r["stdout"]))
-            results["verl"] = {"ran": ok, "seconds": r["seconds"], "peak_rss_gb": r["peak_rss_gb"],
-                               "gb_per_s": nbytes / 1e9 / r["seconds"] if ok else None,
-                               "error": None if ok else err}
+            results["verl"] = run_verl(py, hf, work / "verl_mcore", env, nbytes, args.timeout)
     finally:
         if not args.keep and args.work is None:
             shutil.rmtree(work, ignore_errors=True)
