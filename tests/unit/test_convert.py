@@ -2,7 +2,8 @@
 
 * the name/shape table equals what megatron-core's own ``sharded_state_dict()`` asks for (local spec,
   with and without MTP);
-* HF -> mcore -> HF is bit-identical (tiny; with MTP kept; over 2 ranks; proxy when asked);
+* HF -> mcore -> HF is bit-identical (tiny; with MTP kept; over 2 ranks; proxy dims cut to 2 layers; the
+  4-layer proxy when asked);
 * one checkpoint, written once, loads at TP1, TP2+ETP2, EP2, TP2+EP2 (through verl's own loader), PP2+VPP2 and the
   logits equal ``DeepseekV3ForCausalLM``'s; re-saved by megatron at TP2+EP2 it converts back bit-exact;
 * bad input is refused naming the tensor/key; interrupted runs never look complete and rerun cleanly.
