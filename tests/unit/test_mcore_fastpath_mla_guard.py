@@ -194,16 +194,19 @@ def test_gptmodel_auto_disables_fused_on_old_cudnn(tmp_path):
     assert out["NVTE_FUSED_ATTN"] == "0" and out["warnings"] and "cuDNN 9.1.0" in out["warnings"][0], out
 
 
+@pytest.mark.slow
 def test_gptmodel_fused_request_refused_on_old_cudnn(tmp_path):
     out = _scenario(tmp_path, "9.1.0", "fused")
     assert not out["built"] and "MLAAttentionBackendError" in out["error"] and "9.5" in out["error"], out
 
 
+@pytest.mark.slow
 def test_gptmodel_auto_keeps_fused_on_good_cudnn(tmp_path):
     out = _scenario(tmp_path, "9.8.0", "auto")
     assert out["built"] and out["NVTE_FUSED_ATTN"] == "1" and not out["warnings"], out
 
 
+@pytest.mark.slow
 def test_planted_fault_patch_reverted(tmp_path):
     """Twin: with patch 0011 reversed, the same model builds with fused attention left on."""
     from test_mcore_patches import tree_without
