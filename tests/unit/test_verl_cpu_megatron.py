@@ -1,4 +1,5 @@
-"""verl patches 0013 (local spec without Transformer Engine) and 0014 (Megatron engine without a bridge).
+"""verl patches 0013 (local spec without Transformer Engine), 0014 (Megatron engine without a bridge) and
+0017 (padded forward on the local attention).
 
 The tiny DeepSeek-V3 is converted with the project's converter, built the way verl's Megatron engine
 builds it with ``use_mbridge=False``, loaded with verl's dist-checkpoint loader, and exported with verl's
@@ -71,3 +72,22 @@ def test_export_planted_fault_swapped_experts(tiny_ckpt):
     wrong = results[0]["wrong"]
     assert results[0]["n_wrong"] == 4, results[0]  # gate and up of experts 0 and 1
     assert all(".mlp.experts.0." in n or ".mlp.experts.1." in n for n in wrong), wrong
+
+
+def _bshd(hf, dist, tp: int, mode: str) -> list[dict]:
+    results = _export(hf, dist, tp=tp, ep=1, fault=mode)
+    assert all(r["uses_local"] for r in results), results
+    return results
+
+
+def test_bshd_forward_local_attention_matches_unpadded(tiny_ckpt):
+    """verl patch 0017: the engine's padded (bshd) forward on megatron's local attention (no TE) gives each
+    sequence the logits it has alone: causal + key-padding mask built from verl's [b, s] padding mask."""
+    for r in _bshd(*tiny_ckpt, tp=1, mode="bshd_forward"):
+        assert max(r["rel_diff"]) < 2e-2, r
+
+
+def test_bshd_forward_planted_fault_no_causal_mask(tiny_ckpt):
+    """Twin: a padding-only mask (tokens see their future) must change the logits."""
+    for r in _bshd(*tiny_ckpt, tp=1, mode="bshd_forward_no_causal"):
+        assert max(r["rel_diff"]) > 0.1, r

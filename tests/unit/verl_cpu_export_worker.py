@@ -42,6 +42,8 @@ def main():
 
     cpu["attention_backend"] = AttnBackend.local
     tf = hf_to_mcore_config(hf, torch.bfloat16, **cpu)
+    if not tf.mtp_num_layers:  # as verl's engine without a bridge does (patch 0014): None = no MTP
+        tf.mtp_num_layers = None
     module, tf = make_megatron_module(McoreModuleWrapperConfig(wrap_with_ddp=False), tf, hf)
     te_modules = sorted({type(m).__name__ for m in module[0].modules() if type(m).__name__.startswith("TE")})
     load_mcore_dist_weights(module, dist_dir)
@@ -53,6 +55,10 @@ def main():
         tmp = a.data.clone()
         a.data.copy_(b.data)
         b.data.copy_(tmp)
+    if fault.startswith("bshd_forward"):
+        print(json.dumps(_bshd_forward(module[0], hf, fault)))
+        torch.distributed.destroy_process_group()
+        return
     conv = MODEL_WEIGHT_CONVERTER_REGISTRY[get_supported_model(hf.architectures[0])](hf, tf)
     mapping = {"qkv_layer_name": "self_attention.linear_qkv.", "gate_proj_layer_name": "linear_fc1."}
     exported = {n: t.detach().to(torch.bfloat16) for n, t in per_tensor_generator(module, hf, conv, tf, mapping)}
@@ -71,6 +77,44 @@ def main():
     if torch.distributed.get_rank() == 0:
         print(json.dumps(results))
     torch.distributed.destroy_process_group()
+
+
+def _bshd_forward(model, hf, mode: str) -> dict:
+    """verl patch 0017: verl's padded (bshd) engine forward of two sequences of different lengths vs the
+    same model on each sequence alone (megatron's own causal mask, no padding). mode
+    ``bshd_forward_no_causal`` plants a fault: a padding-only mask without the causal part."""
+    import verl.models.mcore.model_forward as mf
+
+    if mode == "bshd_forward_no_causal":
+        mf._local_attention_mask = lambda m: ~m.bool()[:, None, None, :].expand(-1, 1, m.shape[1], -1)
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, hf.vocab_size, (n,), generator=g) for n in (13, 6)]
+    model.eval()
+    with torch.no_grad():
+        nested = torch.nested.as_nested_tensor(seqs, layout=torch.jagged)
+        batched = mf.gptmodel_forward_model_engine(model, nested, {}, data_format="bshd")
+        diffs = []
+        tp = torch.distributed.get_world_size()  # sequence parallel off; pad to the TP alignment anyway
+        for i, s in enumerate(seqs):
+            n = len(s)
+            pad = (-n) % tp
+            ids = torch.cat([s, torch.zeros(pad, dtype=s.dtype)])[None]
+            alone = model(input_ids=ids, position_ids=torch.arange(n + pad)[None], attention_mask=None)
+            alone = _gather_vocab(alone[0, :n].float())
+            got = _gather_vocab(batched[i].float())
+            diffs.append((got - alone).abs().max().item() / max(alone.abs().max().item(), 1e-6))
+    return {"rank": torch.distributed.get_rank(), "rel_diff": diffs, "uses_local": mf._uses_local_core_attention(model)}
+
+
+def _gather_vocab(x):
+    from megatron.core import parallel_state as mpu
+
+    tp = mpu.get_tensor_model_parallel_world_size()
+    if tp == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(tp)]
+    torch.distributed.all_gather(parts, x.contiguous(), group=mpu.get_tensor_model_parallel_group())
+    return torch.cat(parts, dim=-1)
 
 
 if __name__ == "__main__":
