@@ -54,8 +54,10 @@ def run_suite(src: Path, import_root: Path | None, jobs_out: Path) -> tuple[set[
         rel = f.relative_to(src)
         junit = jobs_out / (str(rel).replace("/", "__") + ".xml")
         try:
-            subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                            f"--junitxml={junit}", str(rel)], cwd=src, env=env, capture_output=True, text=True,
+            # the backend's own root and no config: the patched tree lives inside this repo, whose
+            # pyproject.toml pytest would otherwise adopt (other rootdir -> other test ids, our addopts)
+            subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--rootdir={src}",
+                            "-c", os.devnull, f"--junitxml={junit}", str(rel)], cwd=src, env=env, capture_output=True, text=True,
                            timeout=PER_FILE_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             print(f"[backend-tests] {rel}: timed out after {PER_FILE_TIMEOUT_S}s", flush=True)
