@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -42,7 +43,12 @@ def _export(hf, dist, tp: int, ep: int, fault: str = "") -> list[dict]:
     nproc = max(tp, ep)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT", "LOCAL_RANK")}
     env.update(VERL_PLATFORM="cpu", OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", TORCHDYNAMO_DISABLE="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-port=0",
+    # an explicit free port: with --master-port=0 the workers are told MASTER_PORT=0 and wait forever
+    # for torchrun's agent store (torch 2.13)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={port}",
            str(WORKER), str(hf), str(dist), str(tp), str(ep)] + ([fault] if fault else [])
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=REPO)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
