@@ -52,8 +52,10 @@ def _export(hf, dist, tp: int, ep: int, fault: str = "") -> list[dict]:
            str(WORKER), str(hf), str(dist), str(tp), str(ep)] + ([fault] if fault else [])
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=REPO)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
-    line = [x for x in r.stdout.splitlines() if x.startswith("[{")][-1]
-    return json.loads(line)
+    lines = [x for x in r.stdout.splitlines() if x.startswith("[{") or x.startswith("{")]
+    assert lines, f"no JSON result line from the worker:\n{(r.stdout + r.stderr)[-3000:]}"
+    res = json.loads(lines[-1])
+    return res if isinstance(res, list) else [res]
 
 
 def _assert_exact(results: list[dict]) -> None:
