@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from dsv3_rl.launch.ray_cluster import free_port
 
 pytest.importorskip("verl")
 pytest.importorskip("megatron.core")
@@ -45,9 +46,7 @@ def _export(hf, dist, tp: int, ep: int, fault: str = "") -> list[dict]:
     env.update(VERL_PLATFORM="cpu", OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", TORCHDYNAMO_DISABLE="1")
     # an explicit free port: with --master-port=0 the workers are told MASTER_PORT=0 and wait forever
     # for torchrun's agent store (torch 2.13)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={port}",
            str(WORKER), str(hf), str(dist), str(tp), str(ep)] + ([fault] if fault else [])
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=REPO)
