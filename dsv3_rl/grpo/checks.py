@@ -4,9 +4,10 @@
 * the rollout engine computed with the trainer's weights: the token probabilities vLLM reported while
   sampling match the ones the Megatron trainer recomputes for the same tokens (``old_log_prob``) at
   *every* step (verl's ``training/rollout_probs_diff_*`` metrics). vLLM starts from random weights
-  (``load_format=dummy``), so step 1 passing proves the trainer -> vLLM weight sync works, and step 2
-  passing (after an update that moved the weights by ``weight_change``) proves vLLM received the
-  *updated* weights, not only the initial ones;
+  (``load_format=dummy``), so step 1 passing proves the trainer -> vLLM weight sync works; step 2
+  passing shows the rollout still matches after the update and the second sync (it tells stale from
+  updated weights only when the update moved the probabilities by more than the bf16 noise, which the
+  demo's small entropy-driven update does not);
 * the actor's weights changed: saved checkpoint vs the dist checkpoint the run started from;
 * the saved checkpoint reloads: every tensor of the initial checkpoint is there with its shape, finite,
   and a megatron model at another layout (TP1, one process) loads it strictly.

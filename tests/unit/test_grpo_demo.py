@@ -140,21 +140,21 @@ def test_checks_pass_on_recorded_demo_metrics(tmp_path):
     assert [s["step"] for s in rep.steps] == [1, 2]
 
 
-@pytest.mark.parametrize("fault", ["rollout_not_synced", "rollout_stale_at_step2", "nan_entropy_loss"])
+@pytest.mark.parametrize("fault", ["rollout_not_synced", "rollout_diverged_at_step2", "nan_entropy_loss"])
 def test_checks_fail_on_recorded_demo_metrics_with_planted_faults(tmp_path, fault):
     """Twins on the recorded run: vLLM on its own random (dummy) weights at step 1 (no sync: the trainer's
-    and vLLM's token probabilities are uncorrelated), vLLM serving the step-1 weights at step 2, a NaN loss."""
+    and vLLM's token probabilities are uncorrelated), rollout and trainer diverging at step 2, a NaN loss."""
     steps = checks.read_metrics(RECORDED)
     if fault == "rollout_not_synced":
         steps[0][checks.PEARSON] = 0.02
         steps[0][checks.PROB_DIFF_MAX] = 0.09
-    elif fault == "rollout_stale_at_step2":
+    elif fault == "rollout_diverged_at_step2":
         steps[1][checks.PEARSON] = 0.95
     elif fault == "nan_entropy_loss":
         steps[1]["actor/pg_loss"] = math.nan
     rep = checks.check_run(_write(tmp_path, steps), 2, None, None, None)
     failed = [c.name for c in rep.checks if not c.ok]
-    want = {"rollout_not_synced": "rollout == trainer at step 1", "rollout_stale_at_step2": "rollout == trainer at step 2",
+    want = {"rollout_not_synced": "rollout == trainer at step 1", "rollout_diverged_at_step2": "rollout == trainer at step 2",
             "nan_entropy_loss": "finite rewards and log-probs"}[fault]
     assert failed == [want], rep.render()
 
