@@ -176,6 +176,14 @@ def _kill_group(proc: subprocess.Popen) -> None:
 # -------------------------------------------------------------------------------------- checks
 
 def run_checks(rc: recipe_mod.Recipe, wd: Workdir) -> checks_mod.Report:
+    import warnings
+
+    with warnings.catch_warnings():  # megatron/torch dist-checkpoint deprecation noise while reloading
+        warnings.simplefilter("ignore", FutureWarning)
+        return _run_checks(rc, wd)
+
+
+def _run_checks(rc: recipe_mod.Recipe, wd: Workdir) -> checks_mod.Report:
     report = checks_mod.check_run(wd.metrics, rc.steps, wd.dist, wd.ckpt, wd.hf, rc.checks)
     tmp = wd.report.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(report.to_json(), indent=2, default=str) + "\n")
@@ -218,8 +226,8 @@ def cmd_demo(args) -> int:
         print("\n".join(wd.log.read_text(errors="replace").splitlines()[-40:]))
     report = run_checks(rc, wd)
     print(report.render())
-    say(summary(rc, wd, report, time.time() - t0))
     say(f"logs: {wd.log} | metrics: {wd.metrics} | checkpoint: {wd.ckpt} | report: {wd.report}")
+    say(summary(rc, wd, report, time.time() - t0))  # the last line: one-line summary
     return 0 if (code == 0 and report.ok) else 1
 
 
