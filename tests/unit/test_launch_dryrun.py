@@ -23,6 +23,7 @@ from dsv3_rl.launch.verl_config import VerlConfigError
 pytestmark = pytest.mark.slow  # imports verl + megatron-core once (~20 s), then a few seconds per preset
 
 SAMPLE = REPO / "examples" / "deepseek_v3" / "data" / "MATH-lighteval-sample"
+OTC = "+actor_rollout_ref.actor.megatron.override_transformer_config."
 
 
 @pytest.fixture(scope="module")
@@ -83,16 +84,19 @@ def test_671b_command_carries_the_rl_settings(tmp_path, dsv3_config_only):
     otc = "+actor_rollout_ref.actor.megatron.override_transformer_config."
     for item in ("moe_router_num_groups=8", "moe_router_group_topk=4", "moe_router_bias_update_rate=0.0",
                  "moe_router_load_balancing_type=none", "moe_aux_loss_coeff=0.0", "moe_router_dtype=fp32",
-                 "num_layers_in_first_pipeline_stage=4", "num_layers_in_last_pipeline_stage=1"):
+                 "pipeline_model_parallel_layout='Et|(tt|)*30L'"):
         assert otc + item in cmd, item
     for item in ("actor_rollout_ref.actor.megatron.override_transformer_config.recompute_granularity=selective",
-                 "actor_rollout_ref.actor.megatron.override_transformer_config.recompute_modules=[mla_up_proj,core_attn,mlp]",
+                 "actor_rollout_ref.actor.megatron.override_transformer_config.recompute_modules=[core_attn,mla_up_proj,layernorm,moe,mlp]",
                  "actor_rollout_ref.actor.megatron.use_distributed_optimizer=true",
                  "actor_rollout_ref.actor.megatron.use_dist_checkpointing=true",
                  "actor_rollout_ref.ref.megatron.use_dist_checkpointing=true",
                  "actor_rollout_ref.actor.megatron.param_offload=true",
-                 "actor_rollout_ref.rollout.tensor_model_parallel_size=8",
-                 "actor_rollout_ref.rollout.gpu_memory_utilization=0.7",
+                 "actor_rollout_ref.actor.megatron.optimizer_offload=true",
+                 "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+                 "actor_rollout_ref.rollout.data_parallel_size=32",
+                 "actor_rollout_ref.rollout.expert_parallel_size=64",
+                 "actor_rollout_ref.rollout.gpu_memory_utilization=0.9",
                  "trainer.resume_mode=auto", "trainer.nnodes=64", "trainer.logger=[console,tensorboard,wandb]"):
         assert item in cmd, item
     assert launch.env["WANDB_MODE"] == "offline" and launch.env["TENSORBOARD_DIR"].startswith(str(launch.paths.logs))
@@ -131,16 +135,21 @@ def test_fault_misspelt_verl_key():
 
 
 @pytest.mark.parametrize("overrides, pattern", [
+    ([f"{OTC}pipeline_model_parallel_layout='Et|(tt|)*30tL'"],
+     r"\[layers_vs_pp\] .*has 62 decoder layers \(t\) but the model has num_layers=61"),
     (["actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=12"],
-     r"\[layers_vs_pp\] num_hidden_layers=61 minus first/last stage layers 4/1 leaves 56 layers for 10 middle stages"),
-    (["trainer.nnodes=63"], r"\[gpus_vs_tp_pp_dp\] 504 GPUs \(63 nodes x 8\) are not divisible by TP\*PP\*CP = 8\*16\*1 = 128"),
+     r"\[layers_vs_pp\] .*'Et\|\(tt\|\)\*30L' has 32 stages, not a multiple of PP=12"),
+    (["actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=16", f"{OTC}pipeline_model_parallel_layout=null",
+      f"{OTC}num_layers_in_first_pipeline_stage=4", f"{OTC}num_layers_in_last_pipeline_stage=2"],
+     r"\[layers_vs_pp\] num_hidden_layers=61 minus first/last stage layers 4/2 leaves 55 layers for 14 middle stages"),
+    (["trainer.nnodes=63"], r"\[gpus_vs_tp_pp_dp\] 504 GPUs \(63 nodes x 8\) are not divisible by TP\*PP\*CP = 2\*32\*1 = 64"),
     (["actor_rollout_ref.actor.megatron.expert_model_parallel_size=48"], r"\[experts_vs_ep\] n_routed_experts=256 .* EP=48"),
     (["actor_rollout_ref.rollout.expert_parallel_size=32"], r"expert_parallel_size must be equal to tensor_model_parallel_size"),
     (["+actor_rollout_ref.actor.megatron.override_transformer_config.recompute_granulrity=full"],
      r"recompute_granulrity: not a field of megatron-core's MLATransformerConfig; did you mean 'recompute_granularity'"),
     (["+actor_rollout_ref.actor.megatron.override_transformer_config.moe_router_group_topk=2"],
      r"\[router\] .*moe_router_group_topk=2 but the model's config gives 4"),
-    (["actor_rollout_ref.actor.ppo_mini_batch_size=48"], r"\[batch\] data.train_batch_size=256 is not divisible by"),
+    (["actor_rollout_ref.actor.ppo_mini_batch_size=48"], r"\[batch\] data.train_batch_size=512 is not divisible by"),
     (["data.max_response_length=200000"], r"\[seq_vs_positions\] .* > the model's max_position_embeddings=163840"),
 ])
 def test_fault_is_caught_with_its_values(overrides, pattern, tmp_path, dsv3_config_only):

@@ -38,10 +38,12 @@ def test_671b_presets_carry_the_rl_settings():
         m = p.verl["actor_rollout_ref"]["actor"]["megatron"]
         assert m["use_distributed_optimizer"] is True and m["param_offload"] is True and m["optimizer_offload"] is True
         assert p.weights["dist_ckpt"] is True
-        assert p.layout.get("first_stage_layers") or p.layout.get("last_stage_layers")  # uneven stages (61 layers)
+        # uneven stages (61 layers): first/last stage sizes or a pipeline layout string
+        assert p.layout.get("first_stage_layers") or p.layout.get("last_stage_layers") or p.layout.get("pipeline_layout")
         assert "tp" in p.rollout and "gpu_memory_utilization" in p.rollout
     sel = load_preset("671b_512xH100").layout
-    assert sel["recompute"] == "selective" and set(sel["recompute_modules"]) == {"mla_up_proj", "core_attn", "mlp"}
+    assert sel["recompute"] == "selective" and set(sel["recompute_modules"]) == {"core_attn", "mla_up_proj", "layernorm", "moe", "mlp"}
+    assert sel["pipeline_layout"] == "Et|(tt|)*30L"  # docs/planner.md's 512 x H100 recommendation
 
 
 def _write(tmp: Path, name: str, text: str) -> Path:
