@@ -174,3 +174,21 @@ def test_demo_end_to_end(tmp_path):
     names = {c["name"] for c in report["checks"]}
     assert {"actor weights changed", "checkpoint reloads", "rollout == trainer at step 1",
             "rollout == trainer at step 2"} <= names
+
+
+def test_cpu_demo_unsets_te_attention_switches(monkeypatch):
+    """A GPU shell's NVTE_FLASH_ATTN=1 (or one left by an in-process GPTModel) fails megatron's local-attention
+    check in every trainer; the CPU demo unsets TE's switches, a GPU recipe keeps them."""
+    from dsv3_rl.grpo import demo
+
+    rc = recipe.load()
+    assert rc.env.get("VERL_PLATFORM") == "cpu"
+    monkeypatch.setenv("NVTE_FLASH_ATTN", "1")
+    monkeypatch.setenv("NVTE_FUSED_ATTN", "0")
+    demo.drop_te_attention_env(rc)
+    assert "NVTE_FLASH_ATTN" not in os.environ and "NVTE_FUSED_ATTN" not in os.environ
+    # planted fault: a non-CPU recipe must keep the user's switches
+    monkeypatch.setenv("NVTE_FLASH_ATTN", "1")
+    monkeypatch.setattr(rc, "env", {**rc.env, "VERL_PLATFORM": "cuda"})
+    demo.drop_te_attention_env(rc)
+    assert os.environ["NVTE_FLASH_ATTN"] == "1"

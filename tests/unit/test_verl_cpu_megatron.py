@@ -42,7 +42,10 @@ def tiny_ckpt(tmp_path_factory):
 
 def _export(hf, dist, tp: int, ep: int, fault: str = "") -> list[dict]:
     nproc = max(tp, ep)
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT", "LOCAL_RANK")}
+    # NVTE_*: megatron's GPTModel writes them into os.environ (an in-process model elsewhere in the session
+    # leaves NVTE_FLASH_ATTN=1), and the local attention backend of these workers refuses them
+    drop = ("RANK", "WORLD_SIZE", "MASTER_PORT", "LOCAL_RANK", "NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
+    env = {k: v for k, v in os.environ.items() if k not in drop}
     env.update(VERL_PLATFORM="cpu", OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", TORCHDYNAMO_DISABLE="1")
     # an explicit free port: with --master-port=0 the workers are told MASTER_PORT=0 and wait forever
     # for torchrun's agent store (torch 2.13)
