@@ -44,7 +44,9 @@ def _export(hf, dist, tp: int, ep: int, fault: str = "") -> list[dict]:
     nproc = max(tp, ep)
     # NVTE_*: megatron's GPTModel writes them into os.environ (an in-process model elsewhere in the session
     # leaves NVTE_FLASH_ATTN=1), and the local attention backend of these workers refuses them
-    drop = ("RANK", "WORLD_SIZE", "MASTER_PORT", "LOCAL_RANK", "NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
+    from dsv3_rl.grpo.demo import TE_ATTENTION_ENV
+
+    drop = ("RANK", "WORLD_SIZE", "MASTER_PORT", "LOCAL_RANK", *TE_ATTENTION_ENV)
     env = {k: v for k, v in os.environ.items() if k not in drop}
     env.update(VERL_PLATFORM="cpu", OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", TORCHDYNAMO_DISABLE="1")
     # an explicit free port: with --master-port=0 the workers are told MASTER_PORT=0 and wait forever
