@@ -203,20 +203,11 @@ def summary(rc: recipe_mod.Recipe, wd: Workdir, report: checks_mod.Report, secon
             f"pearson/step [{fmt(pearson, '.4f')}], weight change {change}, checks {ok}/{len(report.checks)}")
 
 
-TE_ATTENTION_ENV = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
-
-
 def drop_te_attention_env(rc) -> None:
-    """Unset TransformerEngine's attention switches for a CPU recipe.
-
-    megatron-core's LanguageModule asserts that NVTE_* agree with the model's attention_backend and the CPU
-    recipe uses ``attention_backend: local``: an ``NVTE_FLASH_ATTN=1`` exported for a GPU job (or left
-    behind by an earlier in-process GPTModel, which writes them into os.environ) would fail every trainer
-    with 'NVTE_FLASH_ATTN set to 1, but expected 0'. Without TE the switches select nothing.
-    """
+    """Unset TransformerEngine's attention switches for a CPU recipe (see recipe.TE_ATTENTION_ENV)."""
     if rc.env.get("VERL_PLATFORM") != "cpu":
         return
-    found = {k: os.environ.pop(k) for k in TE_ATTENTION_ENV if k in os.environ}
+    found = recipe_mod.pop_te_attention_env(os.environ)
     if found:
         say("unset " + " ".join(f"{k}={v}" for k, v in found.items()) +
             " (TransformerEngine attention switches; this CPU recipe uses attention_backend=local)")

@@ -28,6 +28,17 @@ DATA_KEYS = ("train_size", "test_size")
 OPEN_SECTIONS = ("override_", "engine_kwargs", "ray_init", "runtime_env", "env_vars", "reward_kwargs")
 CHECK_KEYS = ("rollout_vs_trainer_prob_diff_max", "rollout_vs_trainer_pearson_min", "min_weight_change")
 
+# TransformerEngine's attention switches. megatron-core's LanguageModule asserts they agree with the model's
+# attention_backend (and exports them into os.environ whenever it builds a GPTModel); the CPU recipes use
+# ``attention_backend: local``, so an NVTE_FLASH_ATTN=1 from a GPU shell (or left by an in-process model)
+# fails every trainer with 'NVTE_FLASH_ATTN set to 1, but expected 0'. Without TE they select nothing.
+TE_ATTENTION_ENV = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
+
+
+def pop_te_attention_env(environ) -> dict[str, str]:
+    """Remove TE's attention switches from ENVIRON (a CPU run's environment); return what was removed."""
+    return {k: environ.pop(k) for k in TE_ATTENTION_ENV if k in environ}
+
 
 class RecipeError(ValueError):
     """The recipe is malformed; the message names the file and the key."""

@@ -20,6 +20,7 @@ from typing import Any
 
 from dsv3_rl.launch import checks, stages as stages_mod
 from dsv3_rl.launch.overrides import Override, flatten, get_dotted as deep_get, parse_overrides, set_dotted
+from dsv3_rl.grpo.recipe import TE_ATTENTION_ENV, pop_te_attention_env
 from dsv3_rl.launch.presets import REPO, Preset, PresetError, deep_merge, load_preset
 from dsv3_rl.launch.verl_config import (VerlConfigError, base_config, check_cli_overrides, check_open_dicts,
                                         compose, tree_to_overrides, validate_like_main_ppo)
@@ -223,6 +224,8 @@ class Launch:
     def full_env(self, environ: dict[str, str] | None = None) -> dict[str, str]:
         env = dict(os.environ if environ is None else environ)
         env.update(self.env)
+        if self.preset.is_cpu:  # local attention on CPU: TE's switches would fail megatron's check
+            pop_te_attention_env(env)
         return env
 
 
@@ -274,6 +277,9 @@ def resolve(preset_name: str, user_overrides: list[str] | None = None, environ: 
     recipe_tree, recipe_env, note = load_recipe(preset)
     if note:
         notes.append(note)
+    if preset.is_cpu and any(k in environ for k in TE_ATTENTION_ENV):
+        notes.append(f"unsetting {', '.join(k for k in TE_ATTENTION_ENV if k in environ)} for this CPU run "
+                     "(TransformerEngine attention switches; the CPU model uses attention_backend=local)")
 
     # environment ---------------------------------------------------------------------------------
     env: dict[str, str] = {}

@@ -215,3 +215,17 @@ def test_stages_run_for_real_then_skip(tmp_path):
         [s.status() for s in again.stages]
     changed = launch_run.resolve(str(preset), ["data.max_prompt_length=128"], env, validate=False)
     assert changed.stages[-1].status() == ("run", "options changed since the last run")
+
+
+def test_cpu_preset_runs_without_te_attention_switches(tmp_path, dsv3_config_only):
+    """A GPU shell's NVTE_FLASH_ATTN=1 fails megatron's local-attention check in every CPU trainer: the CPU
+    preset's process environment drops TE's switches and says so; a GPU preset passes them on."""
+    env = {**environ_for("tiny_cpu", tmp_path, dsv3_config_only), "NVTE_FLASH_ATTN": "1", "NVTE_FUSED_ATTN": "0"}
+    launch = launch_run.resolve("tiny_cpu", [], env, validate=False)
+    full = launch.full_env(env)
+    assert "NVTE_FLASH_ATTN" not in full and "NVTE_FUSED_ATTN" not in full
+    assert any("unsetting NVTE_FLASH_ATTN, NVTE_FUSED_ATTN" in n for n in launch.notes), launch.notes
+    # planted fault: a GPU preset must keep the user's switches
+    env = {**environ_for("proxy_8xH100", tmp_path, dsv3_config_only), "NVTE_FLASH_ATTN": "1"}
+    gpu = launch_run.resolve("proxy_8xH100", [], env, validate=False)
+    assert gpu.full_env(env)["NVTE_FLASH_ATTN"] == "1"
