@@ -249,16 +249,23 @@ def _fallback_mcore_config(hf, dtype, rc, on_cuda):  # pragma: no cover - FALLBA
 
 
 def _init_single_process(on_cuda: bool):
+    """Process group + megatron parallel state for one process; returns the undo for what it set up
+    (``main`` is also called in-process by the tests, which must not inherit an initialized group)."""
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29600 + os.getpid() % 1000))
-    if not dist.is_initialized():
+    made_group = not dist.is_initialized()
+    if made_group:
         dist.init_process_group("nccl" if on_cuda else "gloo", rank=0, world_size=1)
-    if not ps.model_parallel_is_initialized():
+    made_state = not ps.model_parallel_is_initialized()
+    if made_state:
         ps.initialize_model_parallel(1, 1)
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    own_fork = vars(tracker).get("fork")
     if on_cuda:
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -266,10 +273,20 @@ def _init_single_process(on_cuda: bool):
     else:
         # CPU ONLY: megatron's dropout RNG tracker needs CUDA RNG states; the proxy has no dropout
         # (attention_dropout = hidden_dropout = 0), so forking is a no-op here.
-        from megatron.core import tensor_parallel
-
-        tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
+        tracker.fork = lambda *a, **k: contextlib.nullcontext()
         torch.manual_seed(1234)
+
+    def undo():
+        if own_fork is None:
+            vars(tracker).pop("fork", None)
+        else:
+            tracker.fork = own_fork
+        if made_state:
+            ps.destroy_model_parallel()
+        if made_group:
+            dist.destroy_process_group()
+
+    return undo
 
 
 _SDPA_NODES = (("Cudnn", "cudnn"), ("FlashAttentionForCpu", "flash_cpu"), ("Flash", "flash"),
@@ -474,6 +491,32 @@ def _atomic_write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def _measure(cfgs, steps: int, on_cuda: bool) -> list:
+    """One row per config (an OOM is recorded as a row), printed as it completes."""
+    import torch
+
+    rows = []
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover
+        tqdm = lambda x, **k: x  # noqa: E731
+    for cfg in tqdm(cfgs, desc="configs", file=sys.stderr):
+        try:
+            row = run_one(copy.deepcopy(cfg), steps, on_cuda)
+        except torch.cuda.OutOfMemoryError as e:  # record it and go on with the next config
+            row = dict(name=cfg["name"], device="cuda", oom=True, error=str(e).splitlines()[0], hf_config=cfg["hf_config"],
+                       seq_length=cfg["seq_length"], micro_batch_size=cfg["micro_batch_size"],
+                       num_microbatches=cfg["num_microbatches"], recompute=cfg["recompute"], peak_allocated=None)
+            import gc
+
+            gc.collect()
+            torch.cuda.empty_cache()
+        _add_prediction(row)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--set", choices=sorted(SETS), default=None, help="config set (default: gpu on CUDA, cpu-smoke on CPU)")
@@ -536,26 +579,12 @@ def main(argv=None) -> int:
         print("error: --steps must be >= 1", file=sys.stderr)
         return 2
 
-    _init_single_process(on_cuda)
-    rows, t0 = [], time.time()
+    undo = _init_single_process(on_cuda)
+    t0 = time.time()
     try:
-        from tqdm import tqdm
-    except ImportError:  # pragma: no cover
-        tqdm = lambda x, **k: x  # noqa: E731
-    for cfg in tqdm(cfgs, desc="configs", file=sys.stderr):
-        try:
-            row = run_one(copy.deepcopy(cfg), args.steps, on_cuda)
-        except torch.cuda.OutOfMemoryError as e:  # record it and go on with the next config
-            row = dict(name=cfg["name"], device="cuda", oom=True, error=str(e).splitlines()[0], hf_config=cfg["hf_config"],
-                       seq_length=cfg["seq_length"], micro_batch_size=cfg["micro_batch_size"],
-                       num_microbatches=cfg["num_microbatches"], recompute=cfg["recompute"], peak_allocated=None)
-            import gc
-
-            gc.collect()
-            torch.cuda.empty_cache()
-        _add_prediction(row)
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+        rows = _measure(cfgs, args.steps, on_cuda)
+    finally:
+        undo()
     if args.out:
         _atomic_write(args.out, "".join(json.dumps(r) + "\n" for r in rows))
     gib = 2**30

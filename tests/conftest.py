@@ -32,3 +32,24 @@ def pytest_runtest_protocol(item, nextitem):
     guard = sys.modules.get("megatron.core.transformer.mla_attention_guard")  # our megatron patch records them too
     for k in _TE_ATTENTION_ENV:
         getattr(guard, "MCORE_SET_ENV", {}).pop(k, None)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_leaked_process_group(request):
+    """A test module that leaves torch.distributed or megatron's parallel state initialized makes the
+    next in-process ``init_process_group`` fail ("trying to initialize the default process group
+    twice!") in an unrelated test. Torn down after the module's own fixtures: clean up and fail there,
+    naming the module."""
+    yield
+    tdist = sys.modules.get("torch.distributed")
+    ps = sys.modules.get("megatron.core.parallel_state")
+    leaked = []
+    if ps is not None and ps.model_parallel_is_initialized():
+        leaked.append("megatron parallel_state")
+        ps.destroy_model_parallel()
+    if tdist is not None and tdist.is_available() and tdist.is_initialized():
+        leaked.append("torch.distributed default process group")
+        tdist.destroy_process_group()
+    if leaked:
+        pytest.fail(f"{request.node.nodeid} left {' and '.join(leaked)} initialized (now destroyed); "
+                    "tear down what a test sets up", pytrace=False)
