@@ -260,6 +260,11 @@ def hf_to_mcore_kwargs(
         expert_model_parallel_size=parallel.ep,
         expert_tensor_parallel_size=parallel.etp,
         sequence_parallel=sp,
+        # megatron-core's default batched p2p sends and receives both directions in one
+        # batch_isend_irecv; at PP=2 with VPP both peers are the same rank, forward and backward
+        # messages cross, and stage 1 computes on the wrong tensors (correctness layout
+        # pp2_vpp2_batchp2p FAILs on gloo and NCCL). verl sets False itself; so do we.
+        batch_p2p_comm=False,
         # fusions off by default: correct everywhere (CPU, no TE); GPU recipes turn them on explicitly
         apply_rope_fusion=False,
         bias_activation_fusion=False,

@@ -88,6 +88,8 @@ def test_megatron_defaults_are_not_relied_on():
     assert defaults["mscale_all_dim"].default == 0.0 and cfg.mscale_all_dim == 1.0
     assert defaults["original_max_position_embeddings"].default == 4096 and cfg.original_max_position_embeddings == 64
     assert defaults["q_lora_rank"].default == 512 and cfg.q_lora_rank == 32
+    # batched p2p crosses forward/backward messages at PP=2 + VPP (test_correctness_layouts pins it)
+    assert defaults["batch_p2p_comm"].default is True and cfg.batch_p2p_comm is False
     plain = dict(DSV3_671B_HUB, rope_scaling=None)
     kw = hf_to_mcore_kwargs(plain)
     assert (kw["rope_type"], kw["rotary_scaling_factor"], kw["mscale"], kw["mscale_all_dim"]) == ("rope", 1.0, 1.0, 0.0)
