@@ -14,7 +14,6 @@ import dataclasses
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,6 +29,7 @@ from dsv3_rl.correctness.compare import Check
 from dsv3_rl.correctness.faults import Fault
 from dsv3_rl.correctness.layouts import Layout
 from dsv3_rl.correctness.report import LayoutResult
+from dsv3_rl.ports import free_port
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -67,12 +67,6 @@ class Candidate:
     fault: Fault | None = None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker_env(pythonpath: Path | None, nproc: int) -> dict:
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
@@ -94,7 +88,7 @@ def launch(spec: dict, log_dir: Path, nproc: int, pythonpath: Path | None, timeo
     if nproc == 1:
         cmd = [sys.executable, "-m", "dsv3_rl.correctness.worker"]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={_free_port()}",
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={free_port()}",
                "-m", "dsv3_rl.correctness.worker"]
     cmd += ["--spec", str(spec_path)]
     try:

@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from dsv3_rl.ports import free_port, free_ports  # noqa: F401  (free_port: re-exported for callers)
+
 #: ``ray start`` port options (``RayNodeSpec.ports`` keys) -- all of them, so tests can run two nodes on
 #: one machine without colliding with anything else there.
 PORT_OPTIONS = ("node_manager_port", "object_manager_port", "ray_client_server_port", "dashboard_agent_listen_port",
@@ -41,26 +43,6 @@ def ray_cli() -> str:
     if not found:
         raise RayClusterError("the `ray` command is not installed next to this Python (pip install 'ray[default]')")
     return found
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """N distinct ports free right now (held open together while choosing, so they differ)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind((host, 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def loopback_ports(n_workers: int = 4) -> dict[str, int | str]:

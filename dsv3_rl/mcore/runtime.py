@@ -15,20 +15,13 @@ import torch
 import torch.distributed as dist
 
 from dsv3_rl.convert.config_map import Parallel, RouterSettings, gpt_model_kwargs, hf_to_mcore_config
+from dsv3_rl.ports import free_port
 
 
 def device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def init_distributed(parallel: Parallel, seed: int = 1234, timeout_s: int = 600) -> None:
@@ -43,7 +36,7 @@ def init_distributed(parallel: Parallel, seed: int = 1234, timeout_s: int = 600)
         # A lone process started without a launcher needs no agreed rendezvous: any free port
         # (under torchrun the agent's MASTER_PORT is kept).
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ["MASTER_PORT"] = str(_free_port())
+        os.environ["MASTER_PORT"] = str(free_port())
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % max(1, torch.cuda.device_count()))))
     if not dist.is_initialized():

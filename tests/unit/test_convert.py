@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -25,16 +24,11 @@ import pytest
 import torch
 
 from dsv3_rl.backends import load_lock
+from dsv3_rl.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(not load_lock()["megatron-core"].path().exists(), reason="backends not fetched (make setup)")
 LOGITS_ATOL = 1e-5  # fp32 on CPU; measured ~2.4e-7 at every layout
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env() -> dict:
@@ -45,7 +39,7 @@ def _env() -> dict:
 
 def run_module(module: str, args: list[str], nproc: int = 1) -> subprocess.CompletedProcess:
     if nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={_free_port()}",
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={free_port()}",
                "-m", module, *args]
     else:
         cmd = [sys.executable, "-m", module, *args]

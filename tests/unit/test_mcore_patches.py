@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +21,7 @@ import torch
 
 from dsv3_rl.backends import load_lock
 from dsv3_rl.patching import lint
+from dsv3_rl.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 SCENARIOS = Path(__file__).with_name("mcore_scenarios.py")
@@ -42,12 +42,6 @@ def tiny_config(path: Path) -> Path:
     return path
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _env(pythonpath: Path | None = None) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env.update(TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1")
@@ -59,7 +53,7 @@ def _env(pythonpath: Path | None = None) -> dict:
 def run_layout(cfg: Path, weights: Path, out: Path, args: list[str], nproc: int = 2,
                pythonpath: Path | None = None, init: bool = False) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-           f"--master-port={_free_port()}", "-m", "dsv3_rl.mcore.layout_check",
+           f"--master-port={free_port()}", "-m", "dsv3_rl.mcore.layout_check",
            "--hf-config", str(cfg), "--weights", str(weights), "--out", str(out), *args]
     if init:
         cmd.append("--init")
@@ -231,5 +225,5 @@ assert torch.equal(a, x) and torch.equal(b, y), "forks disturbed the default str
 print("ok")
 """
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                       env={**_env(), "PORT": str(_free_port())}, timeout=300)
+                       env={**_env(), "PORT": str(free_port())}, timeout=300)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]

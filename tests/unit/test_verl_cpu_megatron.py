@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from dsv3_rl.launch.ray_cluster import free_port
+from dsv3_rl.ports import free_port
 
 pytest.importorskip("verl")
 pytest.importorskip("megatron.core")

@@ -16,7 +16,6 @@ import importlib.util
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import textwrap
@@ -26,6 +25,7 @@ import pytest
 import torch
 
 from dsv3_rl.backends import BASELINE_TAG, git, load_lock
+from dsv3_rl.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 VERL = load_lock()["verl"]
@@ -191,12 +191,6 @@ WRAPPER = textwrap.dedent('''\
 ''')
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _layout(cfg: Path, weights: Path, out: Path, args: list[str], nproc: int, script: Path, init: bool = False,
             pythonpath: Path | None = None) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
@@ -206,7 +200,7 @@ def _layout(cfg: Path, weights: Path, out: Path, args: list[str], nproc: int, sc
     # one process: no torchrun (runtime.init_distributed picks its own port for a lone process, which
     # does not reach torchrun's agent store)
     launch = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-                                                  f"--master-port={_free_port()}"]
+                                                  f"--master-port={free_port()}"]
     cmd = [*launch, str(script), "--hf-config", str(cfg), "--weights", str(weights), "--out", str(out), *args]
     if init:
         cmd.append("--init")

@@ -99,7 +99,7 @@ def assert_stages(reports: list[dict], expected: list[dict]) -> None:
 def worker_reports(tmp_path_factory):
     pytest.importorskip("verl")
     pytest.importorskip("megatron.core")
-    from dsv3_rl.launch.ray_cluster import free_port
+    from dsv3_rl.ports import free_port
 
     out = tmp_path_factory.mktemp("verl_pp_layout") / "reports.json"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
