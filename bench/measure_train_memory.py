@@ -123,6 +123,20 @@ GPU_SET = [
          v_head_dim=128, qk_nope_head_dim=128, num_experts_per_tok=8),
 ]
 
+#: Rows whose peak is dominated by activations and logits (long sequences, micro-batch 2), so the
+#: 15% check on the total peak also pins the planner's per-layer activation model: in GPU_SET the
+#: activations are <= 1.1 GiB of a 4-66 GiB peak, which a 15% bound on the total cannot tell apart.
+#: One per recompute choice the 671B presets use (none, selective MLA up-proj, selective heavy,
+#: selective MoE) plus a 32k sequence where the logits are as large as the activations.
+GPU_ACT_SET = [
+    _cfg("act-L16-E16-s16384-none", 16, 16, 16384),
+    _cfg("act-L16-E16-s16384-mlaup", 16, 16, 16384, recompute={"granularity": SEL, "modules": ["mla_up_proj"]}),
+    _cfg("act-L12-E32-s8192x2-selheavy", 12, 32, 8192, mbs=2,
+         recompute={"granularity": SEL, "modules": ["core_attn", "mla_up_proj", "mlp", "shared_experts"]}),
+    _cfg("act-L12-E16-s8192x2-selmoe", 12, 16, 8192, mbs=2, recompute={"granularity": SEL, "modules": ["mla_up_proj", "moe"]}),
+    _cfg("act-L4-E16-s32768-none", 4, 16, 32768),
+]
+
 _TINY = dict(vocab_size=2048, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
              num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=64,
              qk_rope_head_dim=16, v_head_dim=32, qk_nope_head_dim=32)
@@ -143,7 +157,7 @@ CPU_SMOKE_SET = [
          attention="unfused", **_TINY),
 ]
 
-SETS = {"gpu": GPU_SET, "cpu-smoke": CPU_SMOKE_SET}
+SETS = {"gpu": GPU_SET, "gpu-act": GPU_ACT_SET, "cpu-smoke": CPU_SMOKE_SET}
 
 
 # --- CPU allocation emulation ----------------------------------------------------------------
@@ -517,6 +531,34 @@ def _measure(cfgs, steps: int, on_cuda: bool) -> list:
     return rows
 
 
+def _measure_isolated(cfgs, args) -> list:
+    """One child process per config (CUDA). megatron-core keeps a finished config's parameters
+    reachable after ``run_one`` returns (H100: 1.6, 4.3, 8.0 GiB still allocated after the first
+    three GPU-set configs): the rows stay right, since each subtracts what was allocated before it
+    started, but the last, largest config then ran out of memory on an 80 GB card."""
+    import subprocess
+    import tempfile
+
+    rows = []
+    set_name = args.set or "gpu"
+    with tempfile.TemporaryDirectory(prefix="measure-mem-") as tmp:
+        for i, c in enumerate(cfgs):
+            out = Path(tmp) / f"{i}.jsonl"
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--set", set_name, "--only", c["name"],
+                   "--steps", str(args.steps), "--device", "cuda", "--in-process", "--out", str(out)]
+            if args.attention:
+                cmd += ["--attention", args.attention]
+            print(f"[{i + 1}/{len(cfgs)}] {c['name']} (own process)", file=sys.stderr, flush=True)
+            proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+            if proc.returncode != 0 or not out.exists():
+                raise SystemExit(f"error: config {c['name']!r} failed in its process (exit {proc.returncode}); "
+                                 f"rerun it alone: {' '.join(cmd[1:-2])}")
+            row = json.loads(out.read_text().splitlines()[0])
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--set", choices=sorted(SETS), default=None, help="config set (default: gpu on CUDA, cpu-smoke on CPU)")
@@ -527,6 +569,9 @@ def main(argv=None) -> int:
     ap.add_argument("--attention", choices=["auto", "sdpa", "unfused"], default=None,
                     help="megatron attention_backend for every config (default: each config's own; GPU set: auto = "
                          "SDPA without TE, patch 0012; cpu-smoke: unfused)")
+    ap.add_argument("--in-process", action="store_true",
+                    help="CUDA: run every config in this process (default: one child process per config, since "
+                         "memory of a finished config stays allocated and a later large config can run out)")
     ap.add_argument("--list", action="store_true", help="list the configs of every set and exit")
     ap.add_argument("--predict-only", action="store_true",
                     help="run nothing: write the planner's predictions for the set with measured: null")
@@ -579,12 +624,15 @@ def main(argv=None) -> int:
         print("error: --steps must be >= 1", file=sys.stderr)
         return 2
 
-    undo = _init_single_process(on_cuda)
     t0 = time.time()
-    try:
-        rows = _measure(cfgs, args.steps, on_cuda)
-    finally:
-        undo()
+    if on_cuda and len(cfgs) > 1 and not args.in_process:
+        rows = _measure_isolated(cfgs, args)
+    else:
+        undo = _init_single_process(on_cuda)
+        try:
+            rows = _measure(cfgs, args.steps, on_cuda)
+        finally:
+            undo()
     if args.out:
         _atomic_write(args.out, "".join(json.dumps(r) + "\n" for r in rows))
     gib = 2**30

@@ -5,6 +5,7 @@
 #
 #   bash scripts/gpu_session.sh fastpath     # 1 GPU: TE-free fast-path bench + GPU unit tests + fp8 cast bench
 #   bash scripts/gpu_session.sh correctness  # 1 GPU: fast-path GPU tests, correctness tp1 fp32, planted faults, bf16 proxy
+#   bash scripts/gpu_session.sh memory       # 1 GPU: planner vs measured peak memory (gpu + gpu-act sets, ~1 min)
 #   bash scripts/gpu_session.sh two-gpu      # 2 GPUs: correctness layouts over NCCL, faults, planner memory, TP2/EP2 bench
 #
 # Each step has its own time limit; a failing step is reported and the next one still runs.
@@ -48,8 +49,12 @@ case "${1:-}" in
     step corr_faults 100 python -m dsv3_rl.correctness check-faults \
       --faults swap-experts,router-bias,yarn-mscale,no-group-routing,rope-interleave-false,rope-interleave-false-unchecked \
       --json "$OUT/gpu1_faults.json"
-    step corr_proxy_bf16 180 python -m dsv3_rl.correctness run --layouts tp1 --preset proxy --set num_hidden_layers=2 \
+    step corr_proxy_bf16 300 python -m dsv3_rl.correctness run --layouts tp1 --preset proxy --set num_hidden_layers=2 \
       --dtype bf16 --batch-size 2 --seq-length 256 --calibrate --work /tmp/proxy --json "$OUT/gpu1_bf16_proxy.json"
+    ;;
+  memory)
+    step planner_mem 200 python bench/measure_train_memory.py --out "$OUT/measured_gpu.jsonl"
+    step planner_mem_act 150 python bench/measure_train_memory.py --set gpu-act --out "$OUT/measured_gpu_act.jsonl"
     ;;
   two-gpu)
     step corr_2gpu 200 python -m dsv3_rl.correctness run \
@@ -60,6 +65,6 @@ case "${1:-}" in
     step planner_mem 150 python bench/measure_train_memory.py --out "$OUT/measured_gpu.jsonl"
     step bench_2gpu 130 torchrun --nproc-per-node 2 bench/bench_train_step.py --layouts tp2,ep2 --json "$OUT/bench-2gpu.json"
     ;;
-  *) echo "usage: $0 fastpath|correctness|two-gpu" >&2; exit 2 ;;
+  *) echo "usage: $0 fastpath|correctness|memory|two-gpu" >&2; exit 2 ;;
 esac
 echo "=== summary"; printf '%s\n' "${SUMMARY[@]}"
