@@ -2,13 +2,14 @@
 
     python -m dsv3_rl.grpo demo [--recipe examples/deepseek_v3/recipes/grpo_tiny_cpu.yaml]
                                 [--workdir out/grpo-demo] [--timeout 1500] [--steps N]
+                                [--dataset math_lighteval|gsm8k]
     python -m dsv3_rl.grpo check --workdir out/grpo-demo      # the self-checks of a finished run
     python -m dsv3_rl.grpo overrides [--recipe ...] [--workdir ...]   # the main_ppo command line only
 
 Workdir layout (every artefact written under a temporary name and renamed; a rerun reuses what is
 complete): ``model/hf`` (the tiny DeepSeek-V3, ``dsv3_rl.models.mini_model``), ``model/dist`` (its
 megatron dist checkpoint, ``dsv3_rl.convert``), ``data/{train,test}.parquet`` (the shipped MATH
-sample, ``dsv3_rl.data.math_lighteval``), ``ckpt/`` (verl's checkpoints), ``logs/main_ppo.log``,
+sample, ``dsv3_rl.data.math_lighteval``, or with ``--dataset gsm8k`` the GSM8K sample), ``ckpt/`` (verl's checkpoints), ``logs/main_ppo.log``,
 ``logs/metrics.jsonl`` (verl's file logger), ``report.json`` (the self-checks).
 
 The run itself is exactly ``python -m verl.trainer.main_ppo`` with the recipe's hydra overrides: the
@@ -32,6 +33,9 @@ from . import recipe as recipe_mod
 
 REPO = recipe_mod.REPO
 MATH_SAMPLE = REPO / "examples" / "deepseek_v3" / "data" / "MATH-lighteval-sample"
+GSM8K_SAMPLE = REPO / "examples" / "deepseek_v3" / "data" / "gsm8k-sample"
+#: ``--dataset`` -> (data-prep module under dsv3_rl.data, the sample shipped in the repo)
+DATASETS = {"math_lighteval": MATH_SAMPLE, "gsm8k": GSM8K_SAMPLE}
 DEFAULT_WORKDIR = REPO / "out" / "grpo-demo"
 # lines of main_ppo's output worth showing on the console (the full log goes to logs/main_ppo.log)
 _SHOW = ("step:", "Traceback", "Error", "error:", "[dsv3-grpo]", "Training Progress", "Final validation")
@@ -84,21 +88,34 @@ def prepare_dist_checkpoint(wd: Workdir) -> None:
     say(f"dist checkpoint: {wd.hf} -> {wd.dist} in {time.time() - t:.1f}s ({(r.stdout.strip().splitlines() or [''])[-1]})")
 
 
-def prepare_data(rc: recipe_mod.Recipe, wd: Workdir) -> None:
-    if (wd.data / "train.parquet").is_file() and (wd.data / "test.parquet").is_file():
-        say(f"data: {wd.data} exists, reused")
-        return
-    from dsv3_rl.data import math_lighteval
+def prepare_data(rc: recipe_mod.Recipe, wd: Workdir, dataset: str = "math_lighteval") -> None:
+    """The shipped sample of ``dataset`` -> verl's RL parquet (``dsv3_rl.data.<dataset>``), prompts over
+    the recipe's max_prompt_length dropped with the model's tokenizer. Reused when a previous run
+    prepared the same dataset."""
+    import importlib
 
+    if dataset not in DATASETS:
+        raise SystemExit(f"error: --dataset {dataset!r}; allowed: {', '.join(DATASETS)}")
+    prep = importlib.import_module(f"dsv3_rl.data.{dataset}")
+    want = prep.SPEC.name  # what the data-prep summary records as "dataset"
+    if (wd.data / "train.parquet").is_file() and (wd.data / "test.parquet").is_file():
+        try:
+            have = json.loads((wd.data / "prep_summary.json").read_text()).get("dataset")
+        except (OSError, json.JSONDecodeError):
+            have = None
+        if have == want:
+            say(f"data: {wd.data} exists ({want}), reused")
+            return
+        say(f"data: {wd.data} holds {have or 'an unknown dataset'}, not {want}: prepared again")
     max_prompt = int(rc.verl.get("data", {}).get("max_prompt_length", 256))
-    argv = ["--input_dir", str(MATH_SAMPLE), "--local_dir", str(wd.data), "--tokenizer", str(wd.hf),
+    argv = ["--input_dir", str(DATASETS[dataset]), "--local_dir", str(wd.data), "--tokenizer", str(wd.hf),
             "--max_prompt_length", str(max_prompt)]
     for key in ("train_size", "test_size"):
         if key in rc.data:
             argv += [f"--{key}", str(rc.data[key])]
-    rc_ = math_lighteval.main(argv)
+    rc_ = prep.main(argv)
     if rc_:
-        raise SystemExit(f"error: data preparation failed (exit {rc_}): python -m dsv3_rl.data.math_lighteval {shlex.join(argv)}")
+        raise SystemExit(f"error: data preparation failed (exit {rc_}): python -m dsv3_rl.data.{dataset} {shlex.join(argv)}")
 
 
 # ----------------------------------------------------------------------------------------- run
@@ -221,13 +238,14 @@ def cmd_demo(args) -> int:
     wd = Workdir(args.workdir)
     wd.root.mkdir(parents=True, exist_ok=True)
     say(f"recipe {rc.path.relative_to(REPO) if rc.path.is_relative_to(REPO) else rc.path}: {rc.model}, "
-        f"Megatron {rc.layout}, {rc.processes} trainer processes, {rc.steps} steps; workdir {wd.root}")
+        f"Megatron {rc.layout}, {rc.processes} trainer processes, {rc.steps} steps, data {args.dataset}; "
+        f"workdir {wd.root}")
     for k, v in rc.env.items():
         os.environ.setdefault(k, v)
     drop_te_attention_env(rc)
     prepare_model(rc, wd)
     prepare_dist_checkpoint(wd)
-    prepare_data(rc, wd)
+    prepare_data(rc, wd, args.dataset)
     if args.prepare_only:
         print(shlex.join(["python", "-m", "verl.trainer.main_ppo", *main_ppo_overrides(rc, wd)]))
         return 0
@@ -268,6 +286,9 @@ def main(argv: list[str] | None = None) -> int:
             s.add_argument("--timeout", type=int, default=int(os.environ.get("DEMO_TIMEOUT", "1500")),
                            help="seconds main_ppo may run (default 1500)")
             s.add_argument("--steps", type=int, default=None, help="override the recipe's GRPO steps")
+            s.add_argument("--dataset", choices=sorted(DATASETS), default=os.environ.get("DEMO_DATASET", "math_lighteval"),
+                           help="which shipped sample to train on (default math_lighteval; gsm8k: "
+                                "examples/deepseek_v3/data/gsm8k-sample)")
             s.add_argument("--prepare-only", action="store_true",
                            help="prepare model/checkpoint/data and print the main_ppo command, run nothing")
         if name == "overrides":

@@ -269,14 +269,24 @@ def build_stages(preset, paths, *, max_prompt_length: int | None, model_cfg: dic
     st = Stage("data", needed=True, why="", argv=argv, out_dir=out,
                outputs=[out / "train.parquet", out / "test.parquet", out / "prep_summary.json"], inputs=raw_files)
     if not raw.is_dir():
-        st.error = (f"DATA_RAW={raw} does not exist; download it: modelscope download --dataset "
-                    f"AI-ModelScope/MATH-lighteval --local_dir {raw}  (or set DATA_RAW)")
+        st.error = f"DATA_RAW={raw} does not exist (or set DATA_RAW). {_download_hint(d['dataset'], raw)}"
         if all(p.exists() for p in st.outputs):
             st.error = None
             st.verify = lambda: (True, "prepared data present (DATA_RAW absent: not re-verified)")
             st.out_dir = None
     stages.append(st)
     return stages
+
+
+def _download_hint(dataset: str, raw: Path) -> str:
+    """The data-prep module's own download hint for ``dataset``, with DIR filled in."""
+    import importlib
+
+    try:
+        spec = importlib.import_module(f"dsv3_rl.data.{dataset}").SPEC
+    except (ImportError, AttributeError):
+        return f"download the {dataset} dataset there"
+    return spec.download_hint.replace("DIR", str(raw))
 
 
 def convert_argv(hf_dir: Path, mcore_dir: Path, nproc: int = 1) -> list[str]:

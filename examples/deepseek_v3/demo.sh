@@ -5,6 +5,7 @@
 #   DEMO_DIR=out/grpo-demo        where model, data, logs and checkpoints go (reused by a rerun)
 #   DEMO_RECIPE=...yaml           the recipe (default examples/deepseek_v3/recipes/grpo_tiny_cpu.yaml)
 #   DEMO_TIMEOUT=1500             seconds main_ppo may run
+#   DEMO_DATASET=math_lighteval   or gsm8k: which shipped sample (examples/deepseek_v3/data/) to train on
 # Extra arguments go to `python -m dsv3_rl.grpo demo` (e.g. --steps 3, --prepare-only).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -13,4 +14,5 @@ PY=${PY:-.venv/bin/python}
 exec "$PY" -m dsv3_rl.grpo demo \
   --workdir "${DEMO_DIR:-out/grpo-demo}" \
   --recipe "${DEMO_RECIPE:-examples/deepseek_v3/recipes/grpo_tiny_cpu.yaml}" \
-  --timeout "${DEMO_TIMEOUT:-1500}" "$@"
+  --timeout "${DEMO_TIMEOUT:-1500}" \
+  --dataset "${DEMO_DATASET:-math_lighteval}" "$@"

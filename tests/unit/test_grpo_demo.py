@@ -159,6 +159,29 @@ def test_checks_fail_on_recorded_demo_metrics_with_planted_faults(tmp_path, faul
     assert failed == [want], rep.render()
 
 
+def test_demo_data_gsm8k_and_back(tmp_path, capsys):
+    """--dataset gsm8k prepares the shipped GSM8K sample; switching back to MATH in the same workdir
+    prepares MATH again (a workdir of the other dataset is never reused), the same dataset is reused."""
+    import pandas as pd
+
+    from dsv3_rl.grpo import demo
+    from dsv3_rl.models.mini_model import write_mini_model
+
+    wd = demo.Workdir(tmp_path / "wd")
+    write_mini_model("tiny-vllm", wd.hf)  # the demo's model: its tokenizer filters long prompts
+    rc = recipe.load()
+    sources = lambda: set(pd.read_parquet(wd.data / "train.parquet")["data_source"])  # noqa: E731
+    demo.prepare_data(rc, wd, "gsm8k")
+    assert sources() == {"openai/gsm8k"}
+    demo.prepare_data(rc, wd, "gsm8k")
+    assert "exists (GSM8K), reused" in capsys.readouterr().out
+    demo.prepare_data(rc, wd, "math_lighteval")
+    assert sources() == {"DigitalLearningGmbH/MATH-lighteval"}
+    assert "holds GSM8K, not MATH-lighteval: prepared again" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="allowed: math_lighteval, gsm8k"):
+        demo.prepare_data(rc, wd, "gsm8kk")
+
+
 # ------------------------------------------------------------------------------- end to end
 
 @pytest.mark.slow

@@ -23,6 +23,7 @@ from dsv3_rl.launch.verl_config import VerlConfigError
 pytestmark = pytest.mark.slow  # imports verl + megatron-core once (~20 s), then a few seconds per preset
 
 SAMPLE = REPO / "examples" / "deepseek_v3" / "data" / "MATH-lighteval-sample"
+SAMPLES = {"math_lighteval": SAMPLE, "gsm8k": REPO / "examples" / "deepseek_v3" / "data" / "gsm8k-sample"}
 OTC = "+actor_rollout_ref.actor.megatron.override_transformer_config."
 
 
@@ -37,8 +38,8 @@ def dsv3_config_only(tmp_path_factory) -> Path:
 
 def environ_for(preset: str, tmp: Path, dsv3_cfg: Path) -> dict[str, str]:
     """A run environment whose inputs exist: the sample dataset, the 671B config, a converted checkpoint."""
-    env = {"WORK_DIR": str(tmp / preset), "DATA_RAW": str(SAMPLE), "MCORE_PATH": str(tmp / preset / "mcore")}
     p = load_preset(preset)
+    env = {"WORK_DIR": str(tmp / preset), "DATA_RAW": str(SAMPLES[p.data["dataset"]]), "MCORE_PATH": str(tmp / preset / "mcore")}
     if p.weights["source"] == "download":
         env["MODEL_PATH"] = str(dsv3_cfg)
     paths = launch_run.resolve_paths(p, env, {})
@@ -215,6 +216,42 @@ def test_stages_run_for_real_then_skip(tmp_path):
         [s.status() for s in again.stages]
     changed = launch_run.resolve(str(preset), ["data.max_prompt_length=128"], env, validate=False)
     assert changed.stages[-1].status() == ("run", "options changed since the last run")
+
+
+def test_gsm8k_preset_prepares_gsm8k_and_the_reward_scores_it(tmp_path):
+    """tiny_cpu_gsm8k, stages for real: its data stage converts the shipped GSM8K sample (not MATH), the
+    parquet carries GSM8K's data_source, and the reward the preset wires in scores those rows: the
+    reference answer 1, the same answer changed 0."""
+    import pandas as pd
+
+    from dsv3_rl.launch.cli import execute
+    from dsv3_rl.launch.run import REWARD_FILE
+    from dsv3_rl.reward.math_reward import compute_score
+
+    env = {"WORK_DIR": str(tmp_path / "work"), "PATH": __import__("os").environ["PATH"]}
+    launch = launch_run.resolve("tiny_cpu_gsm8k", [], env, validate=False)
+    data_stage = launch.stages[-1]
+    assert data_stage.name == "data" and "dsv3_rl.data.gsm8k" in data_stage.argv
+    assert launch.paths.data_raw == SAMPLES["gsm8k"] and launch.paths.data.name == "gsm8k"
+    assert f"reward.custom_reward_function.path={REWARD_FILE}" in launch.argv
+    assert execute(launch, stages_only=True) == 0
+    df = pd.read_parquet(launch.paths.data / "train.parquet")
+    assert len(df) > 0 and set(df["data_source"]) == {"openai/gsm8k"}, set(df["data_source"])
+    for row in df.head(8).itertuples():
+        gt = row.reward_model["ground_truth"]
+        right = compute_score(row.data_source, f"so the answer is \\boxed{{{gt}}}", gt)
+        wrong = compute_score(row.data_source, f"so the answer is \\boxed{{{gt}1}}", gt)
+        assert right["score"] == 1.0 and wrong["score"] == 0.0, (gt, right, wrong)
+    # the MATH preset it extends converts MATH, not GSM8K
+    assert "dsv3_rl.data.math_lighteval" in launch_run.resolve("tiny_cpu", [], env, validate=False).stages[-1].argv
+
+
+def test_missing_gsm8k_raw_data_names_gsm8ks_download(tmp_path):
+    env = {"WORK_DIR": str(tmp_path), "DATA_RAW": str(tmp_path / "nope")}
+    launch = launch_run.resolve("tiny_cpu_gsm8k", [], env)
+    msgs = [str(f) for f in errors(launch) if "[stage:data]" in str(f)]
+    assert msgs and "openai/gsm8k" in msgs[0] and str(tmp_path / "nope") in msgs[0], msgs
+    assert "MATH-lighteval" not in msgs[0]
 
 
 def test_cpu_preset_runs_without_te_attention_switches(tmp_path, dsv3_config_only):

@@ -15,7 +15,7 @@ from dsv3_rl.launch.overrides import flatten, hydra_value, parse_overrides, set_
 from dsv3_rl.launch.presets import PRESET_DIR, PresetError, list_presets, load_preset
 from dsv3_rl.models import presets as model_presets
 
-EXPECTED = {"tiny_cpu", "tiny_1xH100", "proxy_1xH100", "proxy_8xH100", "proxy_16xH20", "671b_96xH20", "671b_512xH100"}
+EXPECTED = {"tiny_cpu", "tiny_cpu_gsm8k", "tiny_1xH100", "proxy_1xH100", "proxy_8xH100", "proxy_16xH20", "671b_96xH20", "671b_512xH100"}
 
 
 def test_every_preset_loads_and_names_model_and_hardware():
@@ -26,8 +26,8 @@ def test_every_preset_loads_and_names_model_and_hardware():
         p = load_preset(n)
         model_presets.resolve(p.model)
         assert p.world >= 1 and p.layout, n
-        # recipes are named after the hardware they were checked on
-        assert n.split("_", 1)[1] == ("cpu" if p.is_cpu else p.hardware_name), n
+        # presets are named <model>_<hardware>[_<variant>], after the hardware they were checked on
+        assert n.split("_")[1] == ("cpu" if p.is_cpu else p.hardware_name), n
 
 
 def test_671b_presets_carry_the_rl_settings():
