@@ -244,6 +244,11 @@ def preset_rows() -> list[dict]:
         trainer = f"TP{tp} PP{pp} EP{lay.get('ep', 1)}" + (f" ETP{lay['etp']}" if "etp" in lay else "") + f" DP{dp}"
         if lay.get("first_stage_layers") or lay.get("last_stage_layers"):
             trainer += f", first/last {lay.get('first_stage_layers', '-')}/{lay.get('last_stage_layers', '-')}"
+        if lay.get("pipeline_layout"):
+            trainer += f", layout `{lay['pipeline_layout']}`"
+        opt = (((p.verl.get("actor_rollout_ref") or {}).get("actor") or {}).get("optim") or {})
+        if (opt.get("override_optimizer_config") or {}).get("optimizer_cpu_offload"):
+            trainer += " (CPU optimizer)"
         rc = lay.get("recompute", "none")
         if rc == "selective":
             rc = "sel: " + ",".join(lay.get("recompute_modules") or ["core_attn"])
@@ -251,7 +256,12 @@ def preset_rows() -> list[dict]:
                    + (f" EP{ro['ep']}" if (ro.get("ep") or 1) > 1 else ""))
         if "gpu_memory_utilization" in ro:
             rollout += f" @{ro['gpu_memory_utilization']}"
-        rows.append(dict(preset=name, model=p.model, hardware=p.hardware_name, trainer=trainer, recompute=rc,
+        hardware = p.hardware_name
+        if p.is_cpu:
+            hardware += f" ({p.gpus_per_node} processes)"
+        elif p.nodes > 1:
+            hardware += f" ({p.nodes} nodes)"
+        rows.append(dict(preset=name, model=p.model, hardware=hardware, trainer=trainer, recompute=rc,
                          rollout=rollout, description=p.description))
     return rows
 
@@ -263,10 +273,11 @@ def cmd_list(argv: list[str]) -> int:
     rows = preset_rows()
     cols = ("preset", "model", "hardware", "trainer", "recompute", "rollout")
     if args.markdown:
-        print("| " + " | ".join(cols) + " |")
+        head = {"trainer": "trainer (megatron)", "rollout": "rollout (vLLM) @ gpu_memory_utilization"}
+        print("| " + " | ".join(head.get(c, c) for c in cols) + " |")
         print("|" + "|".join("---" for _ in cols) + "|")
         for r in rows:
-            print("| " + " | ".join(f"`{r[c]}`" if c == "preset" else str(r[c]) for c in cols) + " |")
+            print("| " + " | ".join(f"`{r[c]}`" if c == "preset" else str(r[c]).replace("|", "\\|") for c in cols) + " |")
         return 0
     w = {c: max(len(c), *(len(str(r[c])) for r in rows)) for c in cols}
     print("  ".join(c.ljust(w[c]) for c in cols))

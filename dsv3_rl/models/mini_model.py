@@ -324,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e.args[0] if isinstance(e, KeyError) else e}", file=sys.stderr)
         return 2
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
-    print(f"wrote {presets.resolve(args.preset)} ({args.fmt}, {args.dtype}) to {out}: {size / 1e6:.1f} MB")
+    kind = "FP8 e4m3 blocks + fp32 scale_inv, rest bf16" if args.fmt == "fp8-release" else args.dtype
+    print(f"wrote {presets.resolve(args.preset)} ({args.fmt}: {kind}) to {out}: {size / 1e6:.1f} MB")
     return 0
 
 

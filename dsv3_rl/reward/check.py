@@ -3,12 +3,14 @@
 For every MATH row: the reference solution must score 1 ("reference"); the same solution with
 its last boxed answer changed must score 0 ("shifted": a number + 1, anything else ``+1``
 appended; "swapped": another row's answer whose normalised form differs). Rates and every miss
-are reported; a miss names the row, the answers and the step that decided (``how``).
+are reported; a miss names the row, the answers and the step that decided (``how``). GSM8K rows
+(raw ``question``/``answer`` files or our RL parquet with ``data_source`` openai/gsm8k) are checked
+the same way on their ``#### N`` line, scored as GSM8K.
 
     python -m dsv3_rl.reward.check --input DIR_OR_PARQUET [--limit N] [--json OUT] [--strict]
 
-``--input`` is a raw MATH-lighteval directory/parquet (columns problem, solution) or our RL
-parquet (``reward_model.ground_truth`` + ``extra_info.solution``). ``--strict`` exits 1 unless
+``--input`` is a raw MATH-lighteval or GSM8K directory/parquet (columns problem, solution /
+question, answer) or our RL parquet (``reward_model.ground_truth`` + ``extra_info.solution``). ``--strict`` exits 1 unless
 reference = 100 % and shifted = 0 %.
 """
 
@@ -25,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
-from dsv3_rl.reward.answer import _INT, _match_braced, last_boxed_answer, normalize_answer
+from dsv3_rl.reward.answer import _INT, _match_braced, gsm8k_hash_answer, last_boxed_answer, normalize_answer
 
 MATH_SOURCE = "DigitalLearningGmbH/MATH-lighteval"
 
@@ -83,6 +85,15 @@ def rewrite_answer(answer: str) -> str | None:
     return s if s != answer else None
 
 
+def replace_hash_answer(solution: str, new_answer: str) -> str:
+    """GSM8K: ``solution`` with the number after its last ``####`` replaced."""
+    pos = solution.rfind("####")
+    if pos < 0:
+        raise ValueError("solution has no #### line")
+    line_end = solution.find("\n", pos)
+    return solution[:pos] + f"#### {new_answer}" + (solution[line_end:] if line_end >= 0 else "")
+
+
 @dataclass
 class Case:
     row: str  # "split:index"
@@ -91,6 +102,7 @@ class Case:
     pred: str
     expect: float
     solution: str
+    source: str = "math"  # the reward's dataset kind: math | gsm8k
 
 
 @dataclass
@@ -117,32 +129,39 @@ class RateReport:
 def build_cases(
     rows: Sequence[tuple[str, str]], seed: int = 0, swapped: bool = True, rewrite: bool = True
 ) -> list[Case]:
-    """rows: (row id, reference solution). Rows without a boxed answer are skipped."""
-    answers = [(rid, sol, last_boxed_answer(sol)) for rid, sol in rows]
-    answers = [a for a in answers if a[2] is not None]
+    """rows: (row id, reference solution[, source]); source ``math`` (default; rows without a boxed
+    answer are skipped) or ``gsm8k`` (the ``#### N`` answer; rows without one are skipped)."""
+    answers = []
+    for row in rows:
+        rid, sol, src = (*row, "math") if len(row) == 2 else row
+        gold = gsm8k_hash_answer(sol) if src == "gsm8k" else last_boxed_answer(sol)
+        if gold is not None:
+            answers.append((rid, sol, gold, src))
     rng = random.Random(seed)
     cases: list[Case] = []
-    for rid, sol, gold in answers:
-        cases.append(Case(rid, "reference", gold, sol, 1.0, sol))
-        cases.append(Case(rid, "shifted", gold, replace_last_boxed(sol, shift_answer(gold)), 0.0, sol))
-        rewritten = rewrite_answer(gold) if rewrite else None
+    for rid, sol, gold, src in answers:
+        put = replace_hash_answer if src == "gsm8k" else replace_last_boxed
+        cases.append(Case(rid, "reference", gold, sol, 1.0, sol, src))
+        cases.append(Case(rid, "shifted", gold, put(sol, shift_answer(gold)), 0.0, sol, src))
+        rewritten = rewrite_answer(gold) if rewrite and src == "math" else None
         if rewritten is not None:
-            cases.append(Case(rid, "rewritten", gold, replace_last_boxed(sol, rewritten), 1.0, sol))
+            cases.append(Case(rid, "rewritten", gold, put(sol, rewritten), 1.0, sol, src))
         if swapped and len(answers) > 1:
             for _ in range(20):
-                other = answers[rng.randrange(len(answers))][2]
-                if normalize_answer(other) != normalize_answer(gold):
-                    cases.append(Case(rid, "swapped", gold, replace_last_boxed(sol, other), 0.0, sol))
+                other = answers[rng.randrange(len(answers))]
+                if other[3] == src and normalize_answer(other[2]) != normalize_answer(gold):
+                    cases.append(Case(rid, "swapped", gold, put(sol, other[2]), 0.0, sol, src))
                     break
     return cases
 
 
-def run_cases(cases: Sequence[Case], score: Callable[[str, str], dict]) -> RateReport:
-    """``score(solution_str, ground_truth) -> {"score", "pred", "how"?}``."""
+def run_cases(cases: Sequence[Case], score: Callable[..., dict]) -> RateReport:
+    """``score(solution_str, ground_truth) -> {"score", "pred", "how"?}``; GSM8K cases call
+    ``score(solution_str, ground_truth, "gsm8k")``."""
     rep = RateReport()
     t0 = time.monotonic()
     for c in cases:
-        res = score(c.pred, c.gold)
+        res = score(c.pred, c.gold) if c.source == "math" else score(c.pred, c.gold, c.source)
         rep.n[c.kind] = rep.n.get(c.kind, 0) + 1
         ok = float(res["score"]) == c.expect
         rep.hits[c.kind] = rep.hits.get(c.kind, 0) + int(ok)
@@ -161,25 +180,32 @@ def run_cases(cases: Sequence[Case], score: Callable[[str, str], dict]) -> RateR
     return rep
 
 
-def load_rows(path: str | Path) -> list[tuple[str, str]]:
-    """(row id, solution) from a raw MATH dir/parquet or one of our RL parquet files."""
+def load_rows(path: str | Path) -> list[tuple[str, str, str]]:
+    """(row id, solution, source) from a raw MATH-lighteval / GSM8K dir or parquet, or one of our RL
+    parquet files; source is ``gsm8k`` for GSM8K rows, else ``math``."""
     import pandas as pd
 
     p = Path(path)
-    files = [p] if p.is_file() else sorted(p.glob("*.parquet")) + sorted(p.glob("data/*.parquet"))
+    files = [p] if p.is_file() else sorted(p.glob("*.parquet")) + sorted(p.glob("data/*.parquet")) + sorted(
+        p.glob("main/*.parquet"))
     if not files:
-        raise FileNotFoundError(f"no parquet files at {p} (looked in {p} and {p}/data)")
+        raise FileNotFoundError(f"no parquet files at {p} (looked in {p}, {p}/data and {p}/main)")
     rows = []
     for f in files:
         df = pd.read_parquet(f)
         split = f.name.split("-")[0].split(".")[0]
         if "solution" in df.columns:
-            sols = df["solution"].tolist()
+            sols, srcs = df["solution"].tolist(), ["math"] * len(df)
+        elif {"question", "answer"} <= set(df.columns):  # raw GSM8K
+            sols, srcs = df["answer"].tolist(), ["gsm8k"] * len(df)
         elif "extra_info" in df.columns:
             sols = [ei.get("solution") for ei in df["extra_info"]]
+            ds = df["data_source"].tolist() if "data_source" in df.columns else [""] * len(df)
+            srcs = ["gsm8k" if "gsm8k" in str(d).lower() else "math" for d in ds]
         else:
-            raise ValueError(f"{f}: neither a 'solution' column nor extra_info.solution; columns: {list(df.columns)}")
-        rows += [(f"{split}:{i}", s) for i, s in enumerate(sols) if isinstance(s, str)]
+            raise ValueError(f"{f}: neither a 'solution' column (MATH), 'question'/'answer' (GSM8K) nor "
+                             f"extra_info.solution; columns: {list(df.columns)}")
+        rows += [(f"{split}:{i}", s, src) for i, (s, src) in enumerate(zip(sols, srcs)) if isinstance(s, str)]
     return rows
 
 
@@ -201,7 +227,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.limit > 0:
         rows = rows[: args.limit]
     cases = build_cases(rows, seed=args.seed)
-    rep = run_cases(cases, lambda s, g: score_answer(s, g, "math", timeout=args.timeout))
+    if not cases:
+        print(f"error: {args.input}: none of {len(rows)} rows has a reference answer to check "
+              f"(MATH: a \\boxed{{}} in the solution; GSM8K: a '#### N' line)", file=sys.stderr)
+        return 2
+    rep = run_cases(cases, lambda s, g, kind="math": score_answer(s, g, kind, timeout=args.timeout))
     for m in rep.misses:
         print(f"MISS {m['row']} {m['kind']}: gold={m['gold']!r} pred={m['pred']!r} score={m['score']} how={m['how']}")
     print(rep.summary())

@@ -173,3 +173,20 @@ def test_uneven_pipeline_suggestions_are_valid_splits():
     for f, last in pairs:  # every suggested split passes the same check ...
         assert errors(checks.check_pipeline(61, sizes(first=int(f), last=int(last)))) == [], (f, last)
     assert errors(checks.check_pipeline(61, sizes(first=5, last=1)))  # ... and a wrong one does not
+
+
+def test_docs_preset_table_is_what_list_prints(capsys):
+    """docs/launcher.md says its preset table is `python -m dsv3_rl.launch list --markdown`; keep it so."""
+    from dsv3_rl.launch.cli import cmd_list
+
+    assert cmd_list(["--markdown"]) == 0
+    table = capsys.readouterr().out.strip()
+    doc = (PRESET_DIR.parents[2] / "docs" / "launcher.md").read_text()
+    assert table in doc, "docs/launcher.md's preset table differs from `python -m dsv3_rl.launch list --markdown`:\n" + table
+    # twin: a changed preset value would no longer be found
+    assert table.replace("TP32 @0.6", "TP16 @0.6") not in doc
+
+
+def test_docs_preset_example_is_the_shipped_file():
+    doc = (PRESET_DIR.parents[2] / "docs" / "launcher.md").read_text()
+    assert (PRESET_DIR / "671b_512xH100.yaml").read_text() in doc

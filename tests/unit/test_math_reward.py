@@ -394,3 +394,48 @@ def test_check_cli_strict(tmp_path, capsys):
     assert check.main(["--input", str(MATH_MINI), "--strict", "--json", str(out)]) == 0
     assert "reference=42/42" in capsys.readouterr().out
     assert '"misses": []' in out.read_text()
+
+
+# GSM8K: the same rates on the '#### N' answer, scored as GSM8K ------------------------------------
+
+DEMO_GSM8K = REPO / "examples" / "deepseek_v3" / "data" / "gsm8k-sample"
+
+
+def _gsm8k_rates(path: Path, score=None) -> check.RateReport:
+    cases = check.build_cases(check.load_rows(path))
+    assert cases and {c.source for c in cases} == {"gsm8k"}
+    return check.run_cases(cases, score or (lambda s, g, kind="math": score_answer(s, g, kind)))
+
+
+def test_gsm8k_rates_on_samples():
+    for path, n in ((REPO / "tests" / "assets" / "gsm8k_mini", 30), (DEMO_GSM8K, 250)):
+        rep = _gsm8k_rates(path)
+        assert rep.n["reference"] == n and rep.misses == [], rep.summary()
+        assert rep.rate("reference") == rep.rate("shifted") == rep.rate("swapped") == 1.0, rep.summary()
+
+
+def test_gsm8k_rates_catch_planted_faults():
+    """Twins: a reward that always says yes fails 'shifted'; scoring GSM8K as MATH (no boxed answer in
+    a GSM8K reference, so every reference scores 0) fails 'reference'."""
+    yes = _gsm8k_rates(DEMO_GSM8K, lambda s, g, kind="math": {"score": 1.0})
+    assert yes.rate("shifted") == 0.0
+    as_math = _gsm8k_rates(DEMO_GSM8K, lambda s, g, kind="math": score_answer(s, g, "math"))
+    assert as_math.rate("reference") == 0.0
+
+
+def test_gsm8k_rl_parquet_rows_are_gsm8k(tmp_path):
+    """Our RL parquet of GSM8K: rows are recognised by data_source and checked on '#### N'."""
+    from dsv3_rl.data import gsm8k
+
+    assert gsm8k.main(["--input_dir", str(DEMO_GSM8K), "--local_dir", str(tmp_path)]) == 0
+    rows = check.load_rows(tmp_path / "test.parquet")
+    assert len(rows) == 50 and {r[2] for r in rows} == {"gsm8k"}
+    assert check.main(["--input", str(tmp_path / "test.parquet"), "--strict"]) == 0
+
+
+def test_check_cli_refuses_input_without_answers(tmp_path, capsys):
+    import pandas as pd
+
+    pd.DataFrame({"problem": ["p"], "solution": ["no boxed answer here"]}).to_parquet(tmp_path / "x.parquet")
+    assert check.main(["--input", str(tmp_path / "x.parquet")]) == 2
+    assert "none of 1 rows has a reference answer" in capsys.readouterr().err
