@@ -531,7 +531,7 @@ def _measure(cfgs, steps: int, on_cuda: bool) -> list:
     return rows
 
 
-def _measure_isolated(cfgs, args) -> list:
+def _measure_isolated(cfgs, args, device: str = "cuda") -> list:
     """One child process per config (CUDA). megatron-core keeps a finished config's parameters
     reachable after ``run_one`` returns (H100: 1.6, 4.3, 8.0 GiB still allocated after the first
     three GPU-set configs): the rows stay right, since each subtracts what was allocated before it
@@ -540,12 +540,12 @@ def _measure_isolated(cfgs, args) -> list:
     import tempfile
 
     rows = []
-    set_name = args.set or "gpu"
+    set_name = args.set or ("gpu" if device == "cuda" else "cpu-smoke")
     with tempfile.TemporaryDirectory(prefix="measure-mem-") as tmp:
         for i, c in enumerate(cfgs):
             out = Path(tmp) / f"{i}.jsonl"
             cmd = [sys.executable, str(Path(__file__).resolve()), "--set", set_name, "--only", c["name"],
-                   "--steps", str(args.steps), "--device", "cuda", "--in-process", "--out", str(out)]
+                   "--steps", str(args.steps), "--device", device, "--in-process", "--out", str(out)]
             if args.attention:
                 cmd += ["--attention", args.attention]
             print(f"[{i + 1}/{len(cfgs)}] {c['name']} (own process)", file=sys.stderr, flush=True)
@@ -572,6 +572,7 @@ def main(argv=None) -> int:
     ap.add_argument("--in-process", action="store_true",
                     help="CUDA: run every config in this process (default: one child process per config, since "
                          "memory of a finished config stays allocated and a later large config can run out)")
+    ap.add_argument("--isolate", action="store_true", help="one child process per config on CPU too")
     ap.add_argument("--list", action="store_true", help="list the configs of every set and exit")
     ap.add_argument("--predict-only", action="store_true",
                     help="run nothing: write the planner's predictions for the set with measured: null")
@@ -625,8 +626,8 @@ def main(argv=None) -> int:
         return 2
 
     t0 = time.time()
-    if on_cuda and len(cfgs) > 1 and not args.in_process:
-        rows = _measure_isolated(cfgs, args)
+    if (on_cuda or args.isolate) and len(cfgs) > 1 and not args.in_process:
+        rows = _measure_isolated(cfgs, args, "cuda" if on_cuda else "cpu")
     else:
         undo = _init_single_process(on_cuda)
         try:

@@ -207,3 +207,19 @@ def test_bench_cpu_reproduces_asset(tmp_path):
     old = next(r for r in load_measurements(CPU) if r["name"] == name)
     assert abs(new["peak_allocated"] / old["peak_allocated"] - 1) < 0.02
     assert new["weight_bytes"] == old["weight_bytes"] and new["optimizer_bytes"] == old["optimizer_bytes"]
+
+
+@pytest.mark.slow
+def test_bench_one_process_per_config_matches_in_process(tmp_path):
+    """The per-config child processes (the CUDA default, --isolate on CPU) give the stored rows."""
+    pytest.importorskip("megatron.core")
+    bench = _bench()
+    names = ["tiny-L3-E8-s256-none", "tiny-L3-E16-s256-selmoe"]
+    out = tmp_path / "rows.jsonl"
+    assert bench.main(["--set", "cpu-smoke", "--only", ",".join(names), "--device", "cpu", "--isolate",
+                       "--out", str(out)]) == 0
+    new = {r["name"]: r for r in load_measurements(out)}
+    old = {r["name"]: r for r in load_measurements(CPU)}
+    assert sorted(new) == sorted(names)
+    for n in names:
+        assert abs(new[n]["peak_allocated"] / old[n]["peak_allocated"] - 1) < 0.02, n
