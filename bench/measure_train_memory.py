@@ -135,6 +135,12 @@ GPU_ACT_SET = [
          recompute={"granularity": SEL, "modules": ["core_attn", "mla_up_proj", "mlp", "shared_experts"]}),
     _cfg("act-L12-E16-s8192x2-selmoe", 12, 16, 8192, mbs=2, recompute={"granularity": SEL, "modules": ["mla_up_proj", "moe"]}),
     _cfg("act-L4-E16-s32768-none", 4, 16, 32768),
+    # the 671b_512xH100 preset's recompute list, and layernorm alone (megatron-core 0.16.1 could not
+    # recompute it without TE before patch 0015: CheckpointWithoutOutput's fp8 path). Not moe_act:
+    # megatron allows it only with moe_grouped_gemm (TE's grouped experts).
+    _cfg("act-L12-E16-s8192x2-preset512", 12, 16, 8192, mbs=2,
+         recompute={"granularity": SEL, "modules": ["core_attn", "mla_up_proj", "layernorm", "moe", "mlp"]}),
+    _cfg("act-L12-E16-s8192x2-layernorm", 12, 16, 8192, mbs=2, recompute={"granularity": SEL, "modules": ["layernorm"]}),
 ]
 
 _TINY = dict(vocab_size=2048, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
@@ -531,6 +537,14 @@ def _measure(cfgs, steps: int, on_cuda: bool) -> list:
     return rows
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def _measure_isolated(cfgs, args, device: str = "cuda") -> list:
     """One child process per config (CUDA). megatron-core keeps a finished config's parameters
     reachable after ``run_one`` returns (H100: 1.6, 4.3, 8.0 GiB still allocated after the first
@@ -549,7 +563,9 @@ def _measure_isolated(cfgs, args, device: str = "cuda") -> list:
             if args.attention:
                 cmd += ["--attention", args.attention]
             print(f"[{i + 1}/{len(cfgs)}] {c['name']} (own process)", file=sys.stderr, flush=True)
-            proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+            # a rendezvous port of its own (an inherited MASTER_PORT may still be held by this process)
+            env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+            proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env)
             if proc.returncode != 0 or not out.exists():
                 raise SystemExit(f"error: config {c['name']!r} failed in its process (exit {proc.returncode}); "
                                  f"rerun it alone: {' '.join(cmd[1:-2])}")

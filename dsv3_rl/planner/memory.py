@@ -166,12 +166,14 @@ def _dropped(m, moe: bool, lay, opt, parts: dict[str, float], batch: int = 1) ->
             # TE: flash attention saves the up-projected q, k, v themselves, which the checkpoint
             # frees; plus the fused up-proj LayerNorms' outputs.
             drop += parts["qkv"] + parts["rope_k"] + (2 * (m.q_lora_rank or 0) + 2 * m.kv_lora_rank) / sp
-        elif opt.attention_impl == "unfused" or batch == 1:
+        elif opt.attention_impl == "unfused" or batch == 1 or "core_attn" in mods:
             # local: the checkpoint discards its outputs q, k, v after core attention; the unfused
             # path saves views of them, SDPA too for one sequence per micro-batch ([b, h, s, d]
             # views of [s, b, h, d]), so they are freed. The rope, norms and up-projection inputs
             # stay (the checkpoint's inputs). SDPA with batch > 1 saves its own contiguous copies:
-            # nothing freed. (Bytes alive after the forward, tests/unit/test_planner_activations.py.)
+            # nothing freed - unless core attention is recomputed too, so that SDPA saves nothing
+            # in the forward (the 671B presets' core_attn + mla_up_proj). (Bytes alive after the
+            # forward, tests/unit/test_planner_activations.py; H100 row act-L12-E16-s8192x2-preset512.)
             drop += parts["qkv"]
     if "layernorm" in mods:
         if local:  # fp32 in + out replaced by the bf16 checkpoint input

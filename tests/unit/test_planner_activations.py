@@ -145,7 +145,12 @@ def test_saved_activation_bytes_match_megatron(megatron_cpu, name, recompute):
     assert abs(predicted / measured - 1) < 0.03, (name, measured, predicted, predicted / measured - 1)
 
 
-SDPA_CASES = [(n, rc, mbs) for n, rc in RECOMPUTE if n in ("none", "core_attn", "mla_up_proj", "full") for mbs in (1, 2)]
+#: core attention and the MLA up-projection recomputed together (the 671B presets' selective list
+#: starts with them): with both, SDPA saves nothing in the forward, so the up-projection checkpoint
+#: frees q, k, v also at micro-batch 2 (H100 row act-L12-E16-s8192x2-preset512 was +38% over before)
+CORE_MLA = ("core_attn+mla_up_proj", {"recompute_granularity": "selective", "recompute_modules": ["core_attn", "mla_up_proj"]})
+SDPA_CASES = [(n, rc, mbs) for n, rc in RECOMPUTE + [CORE_MLA]
+              if n in ("none", "core_attn", "mla_up_proj", "full", CORE_MLA[0]) for mbs in (1, 2)]
 
 
 @pytest.mark.parametrize("name,recompute,mbs", SDPA_CASES, ids=[f"{n}-mbs{b}" for n, _, b in SDPA_CASES])
@@ -153,7 +158,7 @@ def test_sdpa_saved_activation_bytes_match_megatron(megatron_cpu, name, recomput
     """patch 0012's SDPA path with a fused kernel: no S x S term, logsumexp + (mbs > 1) an output copy."""
     kernels: list = []
     measured = saved_bytes(recompute, attention="sdpa", mbs=mbs, hf=SDPA_DIMS, kernels=kernels)
-    if name not in ("core_attn", "full"):  # a checkpointed attention leaves no node in the forward graph
+    if name not in ("core_attn", "full", CORE_MLA[0]):  # a checkpointed attention leaves no node in the forward graph
         assert kernels and all(k == "ScaledDotProductFlashAttentionForCpuBackward0" for k in kernels), kernels
     predicted = predicted_bytes(recompute, attention="sdpa", mbs=mbs, hf=SDPA_DIMS)
     assert abs(predicted / measured - 1) < 0.03, (name, mbs, measured, predicted, predicted / measured - 1)
@@ -170,4 +175,17 @@ def test_planted_fault_dropping_s2_term_is_caught(megatron_cpu):
     """Twin: a model without the unfused attention's S x S softmax/probs term must miss."""
     measured = saved_bytes(None)
     faulty = predicted_bytes(None, drop_s2=True)
+    assert abs(faulty / measured - 1) >= 0.03, (measured, faulty)
+
+
+def test_planted_fault_qkv_kept_with_core_attn_and_mla_up_proj_is_caught(megatron_cpu):
+    """Twin: the rule before the fix kept q, k, v for SDPA at micro-batch 2 even with core attention
+    recomputed; adding them back must miss the measurement."""
+    rc = CORE_MLA[1]
+    measured = saved_bytes(rc, attention="sdpa", mbs=2, hf=SDPA_DIMS)
+    m = ModelSpec.from_hf(dict(TINY, **SDPA_DIMS))
+    lay = Layout(recompute="selective", recompute_modules=tuple(rc["recompute_modules"]))
+    opt = Options(transformer_impl="local", attention="sdpa", loss="megatron_ce", moe_grouped_gemm=False)
+    qkv = sum(layer_activation(m, m.is_moe_layer(i), lay, opt, SEQ, 2).parts["qkv"] for i in range(m.num_layers))
+    faulty = predicted_bytes(rc, attention="sdpa", mbs=2, hf=SDPA_DIMS) + qkv * SEQ * 2
     assert abs(faulty / measured - 1) >= 0.03, (measured, faulty)

@@ -4,9 +4,10 @@
 * ``measured_gpu.jsonl``: the GPU set (one H200, 2026-11-22; core attention through torch SDPA,
   patch 0012's default without TE). Rows measured on CUDA must be within 15% of the planner;
   rows with ``measured: null`` (not run on a GPU yet) make the 15% test skip, saying so.
-* ``measured_gpu_act.jsonl``: the ``gpu-act`` set (one H100, 2026-11-24): long sequences and
-  micro-batch 2, where activations + logits are >= 55% of the peak, so the 15% bound also pins the
-  per-layer activation model (in ``measured_gpu.jsonl`` they are <= 41% of the peak).
+* ``measured_gpu_act.jsonl``: the ``gpu-act`` set (one H100, 2026-11-24, one process per config):
+  long sequences and micro-batch 2, where activations + logits are 38-84% of the peak (>= 55% in 5
+  of 7 rows), so the 15% bound also pins the per-layer activation model (in ``measured_gpu.jsonl``
+  they are <= 41% of the peak); two rows use the 671B presets' recompute list and layernorm.
 * ``cpu_emulated_smoke.jsonl``: the same kind of step on CPU with the allocator emulated (storage
   bytes alive, 512 B blocks) - not a GPU measurement, checked to 10% as a regression guard.
 """
@@ -72,8 +73,10 @@ def test_gpu_activation_rows_are_activation_dominated_and_within_15_percent():
     assert {r["impl"]["attention"] for r in rows} == {"sdpa"}
     recompute = {json.dumps(r["recompute"], sort_keys=True) for r in rows}
     assert len(recompute) >= 3, recompute
-    for r in rows:  # the part above the static memory is most of the peak: this row checks activations
-        assert (r["peak_allocated"] - r["static_allocated"]) / r["peak_allocated"] >= 0.5, r["name"]
+    # the part above the static memory is most of the peak in >= 4 rows: those check the activations
+    # (the 671B presets' heavy selective list leaves 38% in act-L12-E16-s8192x2-preset512)
+    share = {r["name"]: (r["peak_allocated"] - r["static_allocated"]) / r["peak_allocated"] for r in rows}
+    assert sum(v >= 0.5 for v in share.values()) >= 4 and min(share.values()) >= 0.3, share
     total = {r["name"]: predict_row(r) / r["peak_allocated"] - 1 for r in rows}
     assert all(abs(e) <= TOLERANCE for e in total.values()), total
     dynamic = _dynamic_errors(rows)
