@@ -50,10 +50,11 @@ def _run_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _print_launch(launch, *, out=sys.stdout, full: bool = True) -> None:
+def _print_launch(launch, *, out=None, full: bool = True) -> None:
     from dsv3_rl.launch.overrides import shell_join
 
-    pr = lambda *a: print(*a, file=out)  # noqa: E731
+    # sys.stdout at call time, not at import (a default bound at import keeps a replaced stream)
+    pr = lambda *a: print(*a, file=out or sys.stdout)  # noqa: E731
     ps = launch.preset
     chain = " <- ".join(p.name for p in reversed(ps.files))
     pr(f"preset     {ps.name}: {ps.description}")
