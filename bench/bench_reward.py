@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     assert pool.verify("1", "1", timeout=60).equal  # start-up is not part of the timing
 
     cases = check.build_cases(check.load_rows(args.input))
-    rep = check.run_cases(cases, lambda s, g: score_answer(s, g, "math"))  # warm pass + rates
+    rep = check.run_cases(cases, lambda s, g, kind: score_answer(s, g, kind))  # warm pass + rates
 
     def score(s, g):
         return score_answer(s, g, "math")
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.compare_verl:
         from verl.utils.reward_score import math_reward as verl_math
 
-        vrep = check.run_cases(cases, lambda s, g: {"score": float(verl_math.compute_score(s, g))})
+        vrep = check.run_cases(cases, lambda s, g, kind: {"score": float(verl_math.compute_score(s, g))})
         vt, _ = _throughput(cases, lambda s, g: verl_math.compute_score(s, g), args.repeat)
         out["verl_math_reward"] = {"rates": {k: vrep.rate(k) for k in vrep.n}, "scores_per_s": vt}
         verl_part = (

@@ -537,14 +537,6 @@ def _measure(cfgs, steps: int, on_cuda: bool) -> list:
     return rows
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _measure_isolated(cfgs, args, device: str = "cuda") -> list:
     """One child process per config (CUDA). megatron-core keeps a finished config's parameters
     reachable after ``run_one`` returns (H100: 1.6, 4.3, 8.0 GiB still allocated after the first
@@ -552,6 +544,8 @@ def _measure_isolated(cfgs, args, device: str = "cuda") -> list:
     started, but the last, largest config then ran out of memory on an 80 GB card."""
     import subprocess
     import tempfile
+
+    from dsv3_rl.ports import free_port
 
     rows = []
     set_name = args.set or ("gpu" if device == "cuda" else "cpu-smoke")
@@ -564,7 +558,7 @@ def _measure_isolated(cfgs, args, device: str = "cuda") -> list:
                 cmd += ["--attention", args.attention]
             print(f"[{i + 1}/{len(cfgs)}] {c['name']} (own process)", file=sys.stderr, flush=True)
             # a rendezvous port of its own (an inherited MASTER_PORT may still be held by this process)
-            env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+            env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
             proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env)
             if proc.returncode != 0 or not out.exists():
                 raise SystemExit(f"error: config {c['name']!r} failed in its process (exit {proc.returncode}); "

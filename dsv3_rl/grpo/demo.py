@@ -34,7 +34,7 @@ from . import recipe as recipe_mod
 REPO = recipe_mod.REPO
 MATH_SAMPLE = REPO / "examples" / "deepseek_v3" / "data" / "MATH-lighteval-sample"
 GSM8K_SAMPLE = REPO / "examples" / "deepseek_v3" / "data" / "gsm8k-sample"
-#: ``--dataset`` -> (data-prep module under dsv3_rl.data, the sample shipped in the repo)
+#: ``--dataset`` (a data-prep module under dsv3_rl.data) -> the sample shipped in the repo
 DATASETS = {"math_lighteval": MATH_SAMPLE, "gsm8k": GSM8K_SAMPLE}
 DEFAULT_WORKDIR = REPO / "out" / "grpo-demo"
 # lines of main_ppo's output worth showing on the console (the full log goes to logs/main_ppo.log)

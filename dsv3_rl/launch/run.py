@@ -75,8 +75,7 @@ def resolve_paths(preset: Preset, environ: dict[str, str], model_cfg: dict) -> P
     mcore = _p(e("MCORE_PATH") or work / "models" / f"{hf.name}-mcore")
     raw_default = preset.data.get("raw")
     raw_default = (REPO / raw_default) if raw_default and not os.path.isabs(raw_default) else raw_default
-    raw_name = {"math_lighteval": "MATH-lighteval", "gsm8k": "gsm8k"}.get(preset.data["dataset"], preset.data["dataset"])
-    data_raw = _p(e("DATA_RAW") or raw_default or work / "dataset" / raw_name)
+    data_raw = _p(e("DATA_RAW") or raw_default or work / "dataset" / stages_mod.dataset_spec(preset.data["dataset"]).name)
     data = _p(e("DATA_DIR") or work / "data" / preset.data["dataset"])
     proj, exp = preset.run["project"], preset.run["experiment"]
     ckpt = _p(e("CKPT_DIR") or work / "ckpt" / proj / exp)

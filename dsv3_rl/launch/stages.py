@@ -278,15 +278,17 @@ def build_stages(preset, paths, *, max_prompt_length: int | None, model_cfg: dic
     return stages
 
 
-def _download_hint(dataset: str, raw: Path) -> str:
-    """The data-prep module's own download hint for ``dataset``, with DIR filled in."""
+def dataset_spec(dataset: str):
+    """``dsv3_rl.data.<dataset>.SPEC`` (name, download hint, ...) of a preset's ``data.dataset``
+    (one of :data:`dsv3_rl.launch.presets.DATASETS`, checked when the preset is loaded)."""
     import importlib
 
-    try:
-        spec = importlib.import_module(f"dsv3_rl.data.{dataset}").SPEC
-    except (ImportError, AttributeError):
-        return f"download the {dataset} dataset there"
-    return spec.download_hint.replace("DIR", str(raw))
+    return importlib.import_module(f"dsv3_rl.data.{dataset}").SPEC
+
+
+def _download_hint(dataset: str, raw: Path) -> str:
+    """The data-prep module's own download hint for ``dataset``, with DIR filled in."""
+    return dataset_spec(dataset).download_hint.replace("DIR", str(raw))
 
 
 def convert_argv(hf_dir: Path, mcore_dir: Path, nproc: int = 1) -> list[str]:

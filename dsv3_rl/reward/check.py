@@ -155,13 +155,13 @@ def build_cases(
     return cases
 
 
-def run_cases(cases: Sequence[Case], score: Callable[..., dict]) -> RateReport:
-    """``score(solution_str, ground_truth) -> {"score", "pred", "how"?}``; GSM8K cases call
-    ``score(solution_str, ground_truth, "gsm8k")``."""
+def run_cases(cases: Sequence[Case], score: Callable[[str, str, str], dict]) -> RateReport:
+    """``score(solution_str, ground_truth, kind) -> {"score", "pred", "how"?}``; kind is the case's
+    source, ``math`` or ``gsm8k`` (``math_reward.score_answer``'s kinds)."""
     rep = RateReport()
     t0 = time.monotonic()
     for c in cases:
-        res = score(c.pred, c.gold) if c.source == "math" else score(c.pred, c.gold, c.source)
+        res = score(c.pred, c.gold, c.source)
         rep.n[c.kind] = rep.n.get(c.kind, 0) + 1
         ok = float(res["score"]) == c.expect
         rep.hits[c.kind] = rep.hits.get(c.kind, 0) + int(ok)
@@ -185,6 +185,8 @@ def load_rows(path: str | Path) -> list[tuple[str, str, str]]:
     parquet files; source is ``gsm8k`` for GSM8K rows, else ``math``."""
     import pandas as pd
 
+    from dsv3_rl.reward.math_reward import dataset_kind
+
     p = Path(path)
     files = [p] if p.is_file() else sorted(p.glob("*.parquet")) + sorted(p.glob("data/*.parquet")) + sorted(
         p.glob("main/*.parquet"))
@@ -200,8 +202,10 @@ def load_rows(path: str | Path) -> list[tuple[str, str, str]]:
             sols, srcs = df["answer"].tolist(), ["gsm8k"] * len(df)
         elif "extra_info" in df.columns:
             sols = [ei.get("solution") for ei in df["extra_info"]]
-            ds = df["data_source"].tolist() if "data_source" in df.columns else [""] * len(df)
-            srcs = ["gsm8k" if "gsm8k" in str(d).lower() else "math" for d in ds]
+            try:  # the reward's own data_source routing
+                srcs = [dataset_kind(d) for d in df["data_source"]] if "data_source" in df.columns else ["math"] * len(df)
+            except ValueError as e:
+                raise ValueError(f"{f}: {e}") from None
         else:
             raise ValueError(f"{f}: neither a 'solution' column (MATH), 'question'/'answer' (GSM8K) nor "
                              f"extra_info.solution; columns: {list(df.columns)}")
@@ -231,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {args.input}: none of {len(rows)} rows has a reference answer to check "
               f"(MATH: a \\boxed{{}} in the solution; GSM8K: a '#### N' line)", file=sys.stderr)
         return 2
-    rep = run_cases(cases, lambda s, g, kind="math": score_answer(s, g, kind, timeout=args.timeout))
+    rep = run_cases(cases, lambda s, g, kind: score_answer(s, g, kind, timeout=args.timeout))
     for m in rep.misses:
         print(f"MISS {m['row']} {m['kind']}: gold={m['gold']!r} pred={m['pred']!r} score={m['score']} how={m['how']}")
     print(rep.summary())

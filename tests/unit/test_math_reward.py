@@ -343,7 +343,7 @@ def test_math_verify_own_timeout_fails_in_threads():
 
 def _rates(path: Path) -> check.RateReport:
     cases = check.build_cases(check.load_rows(path))
-    return check.run_cases(cases, lambda s, g: score_answer(s, g, "math"))
+    return check.run_cases(cases, lambda s, g, kind: score_answer(s, g, kind))
 
 
 def _assert_perfect(rep: check.RateReport) -> None:
@@ -361,10 +361,10 @@ def test_rates_on_fixture_sample():
 @pytest.mark.parametrize(
     "planted, kind",
     [
-        (lambda s, g: {"score": 1.0}, "shifted"),  # a reward that always says yes
-        (lambda s, g: {"score": float(last_boxed_answer(s) == g)}, "rewritten"),  # raw string match
+        (lambda s, g, kind: {"score": 1.0}, "shifted"),  # a reward that always says yes
+        (lambda s, g, kind: {"score": float(last_boxed_answer(s) == g)}, "rewritten"),  # raw string match
         (
-            lambda s, g: {"score": float(normalize_answer(last_boxed_answer(s) or "")[:1] == normalize_answer(g)[:1])},
+            lambda s, g, kind: {"score": float(normalize_answer(last_boxed_answer(s) or "")[:1] == normalize_answer(g)[:1])},
             "swapped",
         ),  # first-character match
     ],
@@ -404,7 +404,7 @@ DEMO_GSM8K = REPO / "examples" / "deepseek_v3" / "data" / "gsm8k-sample"
 def _gsm8k_rates(path: Path, score=None) -> check.RateReport:
     cases = check.build_cases(check.load_rows(path))
     assert cases and {c.source for c in cases} == {"gsm8k"}
-    return check.run_cases(cases, score or (lambda s, g, kind="math": score_answer(s, g, kind)))
+    return check.run_cases(cases, score or (lambda s, g, kind: score_answer(s, g, kind)))
 
 
 def test_gsm8k_rates_on_samples():
@@ -417,9 +417,9 @@ def test_gsm8k_rates_on_samples():
 def test_gsm8k_rates_catch_planted_faults():
     """Twins: a reward that always says yes fails 'shifted'; scoring GSM8K as MATH (no boxed answer in
     a GSM8K reference, so every reference scores 0) fails 'reference'."""
-    yes = _gsm8k_rates(DEMO_GSM8K, lambda s, g, kind="math": {"score": 1.0})
+    yes = _gsm8k_rates(DEMO_GSM8K, lambda s, g, kind: {"score": 1.0})
     assert yes.rate("shifted") == 0.0
-    as_math = _gsm8k_rates(DEMO_GSM8K, lambda s, g, kind="math": score_answer(s, g, "math"))
+    as_math = _gsm8k_rates(DEMO_GSM8K, lambda s, g, kind: score_answer(s, g, "math"))
     assert as_math.rate("reference") == 0.0
 
 
