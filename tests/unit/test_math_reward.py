@@ -439,3 +439,12 @@ def test_check_cli_refuses_input_without_answers(tmp_path, capsys):
     pd.DataFrame({"problem": ["p"], "solution": ["no boxed answer here"]}).to_parquet(tmp_path / "x.parquet")
     assert check.main(["--input", str(tmp_path / "x.parquet")]) == 2
     assert "none of 1 rows has a reference answer" in capsys.readouterr().err
+
+
+def test_check_rl_parquet_with_unknown_data_source_names_the_file(tmp_path):
+    import pandas as pd
+
+    f = tmp_path / "train.parquet"
+    pd.DataFrame({"data_source": ["my/dataset"], "extra_info": [{"solution": "\\boxed{1}"}]}).to_parquet(f)
+    with pytest.raises(ValueError, match=r"train\.parquet: .*unknown data_source 'my/dataset'"):
+        check.load_rows(f)
