@@ -4,16 +4,15 @@
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.dsv3-setup-done
-PATCH  := $(PY) -m dsv3_rl.patching
 export TORCHDYNAMO_DISABLE ?= 1
 export PYTHONUNBUFFERED := 1
 
 .PHONY: help setup setup-gpu backends apply-patches check-patches revert-patches patch-status \
-        patches-table lint-patches test test-backends test-gpu demo bench clean-backends
+        patches-table lint-patches test test-backends test-gpu demo clean-backends
 
 help:
 	@echo "make setup          .venv + torch + patched backends (editable) + deps + this package"
-	@echo "make demo           GRPO on the embedded tiny DeepSeek-V3 and the shipped MATH sample (CPU ok)"
+	@echo "make demo           GRPO that learns: the launcher's tiny_cpu preset (warm-started tiny DeepSeek-V3, CPU ok)"
 	@echo "make test           CPU test suite (the README's test command)"
 	@echo "make test-backends  verl's own *_on_cpu tests against the patched tree"
 	@echo "make test-gpu       GPU suite (tests/gpu), needs CUDA"
@@ -65,8 +64,11 @@ test-backends: $(STAMP)
 test-gpu: $(STAMP)
 	$(PY) -m pytest tests/gpu -q -m gpu
 
+# DEMO_PRESET=tiny_cpu_gsm8k: the same pipeline on GSM8K. DEMO_DIR: the launcher's WORK_DIR (reruns resume).
+DEMO_PRESET ?= tiny_cpu
+DEMO_DIR    ?= $(CURDIR)/out/grpo-demo
 demo: $(STAMP)
-	bash examples/deepseek_v3/demo.sh
+	WORK_DIR=$(DEMO_DIR) bash examples/deepseek_v3/run_mcore_deepseek_verl.sh --preset $(DEMO_PRESET) --quiet
 
 clean-backends:
 	rm -rf backends/megatron-core-* backends/verl-*

@@ -17,7 +17,7 @@ import pytest  # noqa: E402
 # attention switches into os.environ, and a later model with another attention_backend, in this process or
 # in a subprocess inheriting the environment, then fails megatron's check ("NVTE_FLASH_ATTN set to 1, but
 # expected 0"). Put them back as they were after every test.
-from dsv3_rl.grpo.recipe import TE_ATTENTION_ENV as _TE_ATTENTION_ENV  # noqa: E402
+from dsv3_rl.launch.run import TE_ATTENTION_ENV as _TE_ATTENTION_ENV  # noqa: E402
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -2,7 +2,8 @@
 
 A preset names its model (facts live in :mod:`dsv3_rl.models.presets`), its hardware, a trainer
 ``layout`` (the fields of :class:`dsv3_rl.planner.Layout`), a ``rollout`` layout, the RL ``router``
-settings and anything else as ``verl`` keys in verl's own config tree. ``extends`` pulls in shared
+settings, the ``rollout_correction`` mode (:mod:`dsv3_rl.launch.rollout_correction`) and anything else as
+``verl`` keys in verl's own config tree. ``extends`` pulls in shared
 files (``_grpo_math.yaml``); files whose name starts with ``_`` are bases, not runnable presets.
 
 Every key is checked: an unknown key is an error naming the file, the key and the allowed keys.
@@ -16,6 +17,8 @@ import difflib
 import os
 from pathlib import Path
 from typing import Any
+
+from dsv3_rl.launch import rollout_correction
 
 REPO = Path(__file__).resolve().parents[2]
 PRESET_DIR = REPO / "examples" / "deepseek_v3" / "presets"
@@ -41,21 +44,25 @@ LAYOUT_KEYS = (
 ROLLOUT_KEYS = ("name", "tp", "dp", "ep", "gpu_memory_utilization")
 ROUTER_KEYS = ("bias_update_rate", "load_balancing_type", "aux_loss_coeff", "router_dtype")
 HARDWARE_KEYS = ("gpu", "nodes", "gpus_per_node", "gpu_memory_gib")
-WEIGHTS_KEYS = ("source", "name", "download", "fp8", "dist_ckpt")
+WEIGHTS_KEYS = ("source", "name", "path", "download", "fp8", "dist_ckpt")
 DATA_KEYS = ("dataset", "raw", "train_size", "test_size", "length_filter")
 DLC_KEYS = ("image", "worker_cpu", "worker_memory", "worker_shared_memory", "gpu_type", "priority", "max_running_minutes")
 SLURM_KEYS = ("partition", "time", "cpus_per_task", "mem", "account", "qos")
-RUN_KEYS = ("project", "experiment")
+RUN_KEYS = ("project", "experiment", "timeout_s")
+#: the self-checks a finished run gets (dsv3_rl.grpo.checks); a preset without ``checks`` is not checked
+CHECK_KEYS = ("rollout_vs_trainer_prob_diff_mean_max", "rollout_vs_trainer_pearson_min", "min_weight_change",
+              "learning")
+LEARNING_KEYS = ("min_gain", "window", "reason_off")
 
 SECTIONS: dict[str, tuple[str, ...] | None] = {
     "description": None, "extends": None, "model": None, "hardware": HARDWARE_KEYS, "env": None,
-    "weights": WEIGHTS_KEYS, "data": DATA_KEYS, "recipe": None, "entry": None, "config_name": None,
+    "weights": WEIGHTS_KEYS, "data": DATA_KEYS, "entry": None, "config_name": None,
     "layout": LAYOUT_KEYS, "rollout": ROLLOUT_KEYS, "router": ROUTER_KEYS, "planner": None, "verl": None,
-    "dlc": DLC_KEYS, "slurm": SLURM_KEYS, "run": RUN_KEYS,
+    "dlc": DLC_KEYS, "slurm": SLURM_KEYS, "run": RUN_KEYS, "checks": CHECK_KEYS, "rollout_correction": None,
 }
 GPU_KINDS = ("cpu", "H100", "H200", "H20", "H800", "A100", "B200")
 RECOMPUTE = ("none", "selective", "full")
-WEIGHT_SOURCES = ("synthetic", "download")
+WEIGHT_SOURCES = ("synthetic", "download", "shipped")
 DATASETS = ("math_lighteval", "gsm8k")
 
 
@@ -72,7 +79,6 @@ class Preset:
     env: str | None
     weights: dict[str, Any]
     data: dict[str, Any]
-    recipe: str | None
     entry: str
     config_name: str
     layout: dict[str, Any]
@@ -83,8 +89,10 @@ class Preset:
     dlc: dict[str, Any]
     slurm: dict[str, Any]
     run: dict[str, Any]
-    recipe_data: dict[str, Any] | None = None
-    """the recipe file's content (``verl``, ``env``, ``steps``, ...) when ``recipe`` exists"""
+    checks: dict[str, Any] | None = None
+    """self-check tolerances (:data:`CHECK_KEYS`); None: the run is not checked"""
+    rollout_correction: str = "none"
+    """a :data:`dsv3_rl.launch.rollout_correction.MODES` name (verl's ``algorithm.rollout_correction``)"""
 
     @property
     def nodes(self) -> int:
@@ -105,12 +113,6 @@ class Preset:
     @property
     def hardware_name(self) -> str:
         return "cpu" if self.is_cpu else f"{self.world}x{self.hardware['gpu']}"
-
-    def recipe_path(self) -> Path | None:
-        if not self.recipe:
-            return None
-        p = Path(self.recipe)
-        return p if p.is_absolute() else (REPO / p)
 
     def env_path(self) -> Path | None:
         return (ENV_DIR / f"{self.env}.sh") if self.env else None
@@ -201,69 +203,14 @@ def _load_raw(path: Path, seen: tuple[Path, ...] = ()) -> tuple[dict, list[Path]
     return deep_merge(merged, data), files + [path]
 
 
-def read_recipe(path: Path) -> dict[str, Any]:
-    """A GRPO recipe (``examples/deepseek_v3/recipes/*.yaml``, issue #7's format) as a dict, read with the
-    recipe module's own loader (its schema and errors) when it is importable."""
-    try:
-        from dsv3_rl.grpo import recipe as recipe_mod
-    except ImportError:
-        recipe_mod = None
-    if recipe_mod is not None and hasattr(recipe_mod, "load"):
-        try:
-            rec = recipe_mod.load(path)
-        except Exception as e:  # noqa: BLE001  (RecipeError and friends)
-            raise PresetError(f"recipe {path}: {e}") from None
-        return {f.name: getattr(rec, f.name) for f in dataclasses.fields(rec)} if dataclasses.is_dataclass(rec) else dict(rec)
-    data = _read_yaml(path)
-    if not isinstance(data.get("verl", {}), dict):
-        raise PresetError(f"recipe {path}: 'verl' must be a mapping of verl config keys")
-    return data
-
-
-def _merge_recipe(where: str, data: dict, rec: dict, rpath: Path) -> None:
-    """Take model / layout / processes / data sizes from the recipe where the preset leaves them out;
-    where both give a value they must agree."""
-    def agree(section_key: str, mine, theirs):
-        if mine is not None and theirs is not None and mine != theirs:
-            raise PresetError(f"{where}: {section_key}={mine!r} but recipe {rpath} says {theirs!r}")
-
-    if rec.get("model") is not None:
-        agree("model", data.get("model"), rec["model"])
-        data.setdefault("model", rec["model"])
-    if rec.get("layout"):
-        lay = dict(data.get("layout") or {})
-        for k, v in rec["layout"].items():
-            agree(f"layout.{k}", lay.get(k), v)
-            lay.setdefault(k, v)
-        data["layout"] = lay
-    if rec.get("processes") is not None:
-        hw = dict(data.get("hardware") or {})
-        agree("hardware.gpus_per_node", hw.get("gpus_per_node"), rec["processes"])
-        hw.setdefault("gpus_per_node", rec["processes"])
-        data["hardware"] = hw
-    dat = dict(data.get("data") or {})
-    for k in ("train_size", "test_size"):
-        if (rec.get("data") or {}).get(k) is not None:
-            agree(f"data.{k}", dat.get(k), rec["data"][k])
-            dat.setdefault(k, rec["data"][k])
-    data["data"] = dat
-
-
 def load_preset(name_or_path: str | os.PathLike) -> Preset:
     """Read, merge and check a preset. Raises :class:`PresetError` naming the file and key."""
     path = preset_file(name_or_path)
     data, files = _load_raw(path)
     where = f"preset {path.stem} ({path})"
-    recipe_data = None
-    if data.get("recipe"):
-        rpath = Path(data["recipe"]) if os.path.isabs(data["recipe"]) else REPO / data["recipe"]
-        if rpath.is_file():
-            recipe_data = read_recipe(rpath)
-            _merge_recipe(where, data, recipe_data, rpath)
     for req in ("model", "hardware", "layout"):
         if req not in data:
-            raise PresetError(f"{where}: missing section {req!r}"
-                              + (f" (its recipe {data['recipe']} is not there to supply it)" if data.get("recipe") else ""))
+            raise PresetError(f"{where}: missing section {req!r}")
     from dsv3_rl.models import presets as model_presets
 
     try:
@@ -290,6 +237,11 @@ def load_preset(name_or_path: str | os.PathLike) -> Preset:
     weights.setdefault("name", data["model"])
     weights.setdefault("fp8", "auto")
     weights.setdefault("dist_ckpt", True)
+    if weights["source"] == "shipped":
+        if not weights.get("path"):
+            raise PresetError(f"{where}: weights.source=shipped needs weights.path (a checkpoint in the repository)")
+        if not (REPO / weights["path"]).is_dir():
+            raise PresetError(f"{where}: weights.path={weights['path']!r}: no directory {REPO / weights['path']}")
     if weights["fp8"] not in ("auto", True, False):
         raise PresetError(f"{where}: weights.fp8={weights['fp8']!r} (allowed: auto, true, false)")
     dat = dict(data.get("data") or {})
@@ -311,11 +263,29 @@ def load_preset(name_or_path: str | os.PathLike) -> Preset:
     run = dict(data.get("run") or {})
     run.setdefault("project", "dsv3_grpo")
     run.setdefault("experiment", path.stem)
+    if run.get("timeout_s") is not None and (not isinstance(run["timeout_s"], (int, float)) or run["timeout_s"] <= 0):
+        raise PresetError(f"{where}: run.timeout_s={run['timeout_s']!r} must be a number of seconds > 0")
+    checks = data.get("checks")
+    if checks is not None:
+        checks = dict(checks)
+        learning = checks.get("learning")
+        if learning not in (None, False) and not isinstance(learning, dict):
+            raise PresetError(f"{where}: checks.learning must be a mapping of {', '.join(LEARNING_KEYS)}")
+        for k in (learning or {}):
+            if k not in LEARNING_KEYS:
+                raise PresetError(f"{where}: unknown key checks.learning.{k}{close(k, LEARNING_KEYS)} "
+                                  f"(allowed: {', '.join(LEARNING_KEYS)})")
+    rcorr = data.get("rollout_correction")
+    rcorr = rollout_correction.DEFAULT if rcorr is None else rcorr
+    if not isinstance(rcorr, str) or rcorr not in rollout_correction.MODES:
+        raise PresetError(f"{where}: rollout_correction={rcorr!r}{close(str(rcorr), rollout_correction.MODES)} "
+                          f"(allowed: {', '.join(rollout_correction.MODES)}; dsv3_rl/launch/rollout_correction.py "
+                          "says what each does)")
     return Preset(
         name=path.stem, path=path, files=files, description=str(data.get("description", "")).strip(),
-        model=data["model"], hardware=hw, env=env, weights=weights, data=dat, recipe=data.get("recipe"),
+        model=data["model"], hardware=hw, env=env, weights=weights, data=dat,
         entry=data.get("entry", "verl.trainer.main_ppo"), config_name=data.get("config_name", "ppo_megatron_trainer"),
         layout=layout, rollout=dict(data.get("rollout") or {}), router=dict(data.get("router") or {}),
         planner=planner, verl=verl, dlc=dict(data.get("dlc") or {}), slurm=dict(data.get("slurm") or {}), run=run,
-        recipe_data=recipe_data,
+        checks=checks, rollout_correction=rcorr,
     )

@@ -2,8 +2,8 @@
 and every check's findings. Nothing here touches a GPU; :mod:`dsv3_rl.launch.cli` executes the result.
 
 Order of the verl overrides (later wins): the preset's sections turned into verl keys (``layout``,
-``rollout``, ``router`` + the model's routing facts, ``hardware``, ``run``), the recipe file
-(``recipe:``), the preset's ``verl:`` tree, the path wiring, then the command line. A command-line key
+``rollout``, ``router`` + the model's routing facts, ``hardware``, ``run``), the preset's ``verl:``
+tree, the path wiring, then the command line. A command-line key
 that the preset also sets replaces the preset's value in place (so ``+`` keys are never added twice).
 """
 
@@ -20,7 +20,6 @@ from typing import Any
 
 from dsv3_rl.launch import checks, stages as stages_mod
 from dsv3_rl.launch.overrides import Override, flatten, get_dotted as deep_get, parse_overrides, set_dotted
-from dsv3_rl.grpo.recipe import TE_ATTENTION_ENV, pop_te_attention_env
 from dsv3_rl.launch.presets import REPO, Preset, PresetError, deep_merge, load_preset
 from dsv3_rl.launch.verl_config import (VerlConfigError, base_config, check_cli_overrides, check_open_dicts,
                                         compose, tree_to_overrides, validate_like_main_ppo)
@@ -40,7 +39,18 @@ SHAPE_KEYS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "n_rout
               "n_group", "topk_group", "first_k_dense_replace", "moe_intermediate_size", "intermediate_size",
               "kv_lora_rank", "q_lora_rank", "vocab_size")
 REWARD_FILE = REPO / "toolkits" / "reward" / "math_reward.py"
-SAMPLE_DATA = REPO / "examples" / "deepseek_v3" / "data" / "MATH-lighteval-sample"
+METRICS_FILE = "metrics.jsonl"  # verl's file logger output under LOG_DIR (VERL_FILE_LOGGER_PATH)
+
+# TransformerEngine's attention switches. megatron-core's LanguageModule asserts they agree with the model's
+# attention_backend (and exports them into os.environ whenever it builds a GPTModel); the CPU presets use
+# ``attention_backend: local``, so an NVTE_FLASH_ATTN=1 from a GPU shell (or left by an in-process model)
+# fails every trainer with 'NVTE_FLASH_ATTN set to 1, but expected 0'. Without TE they select nothing.
+TE_ATTENTION_ENV = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
+
+
+def pop_te_attention_env(environ) -> dict[str, str]:
+    """Remove TE's attention switches from ENVIRON (a CPU run's environment); return what was removed."""
+    return {k: environ.pop(k) for k in TE_ATTENTION_ENV if k in environ}
 
 
 @dataclasses.dataclass
@@ -69,7 +79,8 @@ def resolve_paths(preset: Preset, environ: dict[str, str], model_cfg: dict) -> P
     e = lambda k: environ.get(k) or None  # noqa: E731
     work = _p(e("WORK_DIR") or REPO / "runs")
     name = preset.weights["name"]
-    model = _p(e("MODEL_PATH") or work / "models" / name)
+    shipped = REPO / preset.weights["path"] if preset.weights["source"] == "shipped" else None
+    model = _p(e("MODEL_PATH") or shipped or work / "models" / name)
     fp8 = preset.weights["fp8"] is True or (preset.weights["fp8"] == "auto" and stages_mod.is_fp8(model, model_cfg))
     hf = _p(e("HF_PATH") or (Path(f"{model}-BF16") if fp8 else model))
     mcore = _p(e("MCORE_PATH") or work / "models" / f"{hf.name}-mcore")
@@ -144,13 +155,16 @@ def derived_tree(preset: Preset, model_cfg: dict) -> dict:
                         ("ep", "expert_parallel_size"), ("gpu_memory_utilization", "gpu_memory_utilization")):
         if k in ro:
             set_dotted(t, f"{R}.{verl_key}", ro[k])
-    if preset.router:  # a recipe-driven preset without a router section leaves the recipe's run as it is
+    if preset.router:
         for k, v in router_facts(model_cfg, preset.router).items():
             set_dotted(t, f"{OTC}.{k}", v)
     set_dotted(t, "trainer.nnodes", preset.nodes)
     set_dotted(t, "trainer.n_gpus_per_node", preset.gpus_per_node)
     set_dotted(t, "trainer.project_name", preset.run["project"])
     set_dotted(t, "trainer.experiment_name", preset.run["experiment"])
+    from dsv3_rl.launch import rollout_correction  # preset.rollout_correction by name -> algorithm.rollout_correction
+
+    t = deep_merge(t, rollout_correction.verl_tree(preset.rollout_correction))
     return t
 
 
@@ -167,21 +181,6 @@ def path_tree(preset: Preset, paths: Paths) -> dict:
             set_dotted(t, f"{m}.use_dist_checkpointing", True)
             set_dotted(t, f"{m}.dist_checkpointing_path", str(paths.mcore))
     return t
-
-
-def load_recipe(preset: Preset) -> tuple[dict, dict[str, str], str]:
-    """(verl tree, environment, note) from the preset's recipe file, when it has one."""
-    p = preset.recipe_path()
-    if p is None:
-        return {}, {}, ""
-    if preset.recipe_data is None:
-        return {}, {}, f"recipe {p} not found: using the preset's own settings"
-    rec = preset.recipe_data
-    tree = copy.deepcopy(rec.get("verl") or {})
-    if rec.get("steps") is not None:
-        set_dotted(tree, "trainer.total_training_steps", int(rec["steps"]))
-    env = {str(k): str(v) for k, v in (rec.get("env") or {}).items()}
-    return tree, env, f"recipe {p.relative_to(REPO) if p.is_relative_to(REPO) else p} (verl keys, env, steps, sizes)"
 
 
 def env_from_file(path: Path, base: dict[str, str]) -> dict[str, str]:
@@ -274,9 +273,6 @@ def resolve(preset_name: str, user_overrides: list[str] | None = None, environ: 
     paths = resolve_paths(preset, environ, preset_cfg)
     model_cfg, model_src, findings = model_facts(preset, paths.hf)
 
-    recipe_tree, recipe_env, note = load_recipe(preset)
-    if note:
-        notes.append(note)
     if preset.is_cpu and any(k in environ for k in TE_ATTENTION_ENV):
         notes.append(f"unsetting {', '.join(k for k in TE_ATTENTION_ENV if k in environ)} for this CPU run "
                      "(TransformerEngine attention switches; the CPU model uses attention_backend=local)")
@@ -285,8 +281,8 @@ def resolve(preset_name: str, user_overrides: list[str] | None = None, environ: 
     env: dict[str, str] = {}
     if preset.env_path():
         env.update(env_from_file(preset.env_path(), environ))
-    env.update({k: v for k, v in recipe_env.items() if k not in environ})
     logs = paths.logs
+    env.setdefault("VERL_FILE_LOGGER_PATH", str(logs / METRICS_FILE))
     env.setdefault("TENSORBOARD_DIR", environ.get("TENSORBOARD_DIR") or str(logs / "tensorboard"))
     env.setdefault("WANDB_MODE", environ.get("WANDB_MODE") or "offline")
     env.setdefault("WANDB_DIR", environ.get("WANDB_DIR") or str(logs))
@@ -296,8 +292,7 @@ def resolve(preset_name: str, user_overrides: list[str] | None = None, environ: 
 
     # verl overrides ---------------------------------------------------------------------------------
     base = base_config(preset.config_name)
-    tree = deep_merge(derived_tree(preset, model_cfg), recipe_tree)
-    tree = deep_merge(tree, preset.verl)
+    tree = deep_merge(derived_tree(preset, model_cfg), preset.verl)
     tree = deep_merge(tree, path_tree(preset, paths))
     user = parse_overrides(list(user_overrides or []))
     errs = check_cli_overrides(user, base)
@@ -307,12 +302,6 @@ def resolve(preset_name: str, user_overrides: list[str] | None = None, environ: 
     overrides = tree_to_overrides(tree, base, f"preset {preset.name}")
     argv = [sys.executable, "-m", preset.entry, f"--config-name={preset.config_name}", *overrides, *rest]
     launch = Launch(preset, paths, model_cfg, model_src, env, tree, overrides, rest, argv, [], findings, notes)
-    for w in ("tp", "pp", "ep"):
-        v = preset.layout.get(w)
-        if v is not None and recipe_tree and deep_get(recipe_tree, {"tp": f"{M}.tensor_model_parallel_size",
-                                                                     "pp": f"{M}.pipeline_model_parallel_size",
-                                                                     "ep": f"{M}.expert_model_parallel_size"}[w]) not in (None, v):
-            notes.append(f"the recipe sets {w} differently from the preset's layout.{w}={v}; the recipe wins")
 
     # compose + check ------------------------------------------------------------------------------------
     cfg = compose(preset.config_name, overrides + rest)

@@ -167,7 +167,9 @@ def build_stages(preset, paths, *, max_prompt_length: int | None, model_cfg: dic
 
     # weights ------------------------------------------------------------------------------------
     synthetic = w["source"] == "synthetic"
-    st = Stage("weights", needed=synthetic, why="weights come from a download (MODEL_PATH)",
+    why = (f"shipped in the repository ({w.get('path')})" if w["source"] == "shipped"
+           else "weights come from a download (MODEL_PATH)")
+    st = Stage("weights", needed=synthetic, why=why,
                argv=_py("dsv3_rl.models.mini_model", model_name, str(model_dir), "--overwrite"),
                out_dir=model_dir, outputs=[model_dir / "config.json"], inputs=[])
     if synthetic:

@@ -452,3 +452,57 @@ def trainer_resident_during_rollout(train: MemoryBreakdown, opt) -> float:
     keep += train.ref_weights
     keep += opt.reserve_gib * GIB * 0.5  # the trainer process's own context + NCCL communicators
     return keep
+
+
+# --- routed-expert tensors (verl router replay R2 / R3) ----------------------------------------
+
+#: bytes per routed-expert id where verl keeps them per step: int16, for the rollout's routes
+#: (verl/experimental/agent_loop/agent_loop.py:131 and 796) and the trainer's recorded ones
+#: (verl/utils/megatron/router_replay_utils.py:323, 657)
+ROUTE_ID_BYTES = 2
+#: bytes per id of a replay target: each local MoE router gets its layer's ids as int64
+#: (router_replay_utils.py:538 and 563), kept in RouterReplay.replay_backward_list until the micro-batch's
+#: backward (router_replay_patch.py:94-99)
+REPLAY_TARGET_BYTES = 8
+
+
+@dataclasses.dataclass
+class RoutedExperts:
+    """verl's routed-experts tensor (tokens, layers, top_k) for one GRPO step, and its GPU share."""
+
+    mode: str
+    layers: int              # layers of the tensor (R3: every hidden layer, R2: the MoE layers)
+    tokens: int              # tokens of the step: prompts x n x (prompt + response), padded to the maximum as
+                             # the agent loop pads R3's routes (agent_loop.py:786-797; R2's jagged ones are fewer)
+    host: float              # bytes of the step's tensor (int16) in the driver's batch
+    pp_rank: int             # the trainer PP rank with the most MoE layers
+    stage_moe_layers: int    # ... and their number
+    gpu_tokens: float        # tokens of one micro-batch on one GPU: / CP, / TP (verl scatters to the SP region)
+    gpu: float               # int64 replay targets of that rank's MoE layers, one micro-batch, forward to backward
+    staging: float           # the micro-batch's int16 routes of every layer, copied to the GPU while targets are set
+
+
+def routed_experts(m, grpo, lay, rank_layers: list[list[int]], mode: str = "R3") -> RoutedExperts:
+    """Bytes of the routed-expert ids of one step (host) and of one micro-batch on one trainer GPU.
+
+    ``rank_layers``: the decoder layers of each PP rank (:meth:`Split.rank_layers`). The tensor's layers:
+    R3 takes vLLM's routes, recorded for every hidden layer (vLLM's RoutedExpertsCapturer buffer is
+    ``get_total_num_hidden_layers() x num_experts_per_tok``, a dense layer's rows stay 0; verl then indexes
+    them by absolute layer, router_replay_utils.py:520-523); R2 records the trainer's own MoE routers and
+    gathers them over PP (``pp_gather``, router_replay_utils.py:691), MoE layers only. On the GPU, verl
+    copies the micro-batch's whole route tensor (every layer, int16, this CP rank's tokens) to the device,
+    scatters the tokens over TP and gives each local router its layer as int64
+    (``set_router_replay_data``, router_replay_utils.py:505-563)."""
+    if mode not in ("R2", "R3"):
+        raise ValueError(f"router replay mode={mode!r}; allowed: ('R2', 'R3')")
+    layers = m.num_layers if mode == "R3" else m.num_moe_layers
+    tokens = grpo.prompts_per_step * grpo.n_samples * grpo.seq_len
+    per_rank = [sum(m.is_moe_layer(i) for i in layers_) for layers_ in rank_layers]
+    rank = max(range(len(per_rank)), key=lambda r: per_rank[r]) if per_rank else 0
+    moe = per_rank[rank] if per_rank else 0
+    mb_tokens = grpo.tokens_per_micro_batch / lay.cp
+    gpu_tokens = mb_tokens / lay.tp
+    return RoutedExperts(mode=mode, layers=layers, tokens=tokens, host=tokens * layers * m.topk * ROUTE_ID_BYTES,
+                         pp_rank=rank, stage_moe_layers=moe, gpu_tokens=gpu_tokens,
+                         gpu=gpu_tokens * moe * m.topk * REPLAY_TARGET_BYTES,
+                         staging=mb_tokens * layers * m.topk * ROUTE_ID_BYTES)

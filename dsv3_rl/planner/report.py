@@ -95,6 +95,18 @@ def _attention_text(o) -> str:
     return f"attention {o.attention_impl} ({_ATTENTION_TEXT[o.attention_impl]}, {how})"
 
 
+def routed_experts_text(m, g, ev) -> str:
+    """One line: verl's router-replay tensor (routed expert ids) per step on the host, per micro-batch on a GPU."""
+    from dsv3_rl.planner.memory import routed_experts
+
+    ranks = [x.detail["layers"] for x in ev.stage_memory]
+    r3, r2 = (routed_experts(m, g, ev.layout, ranks, mode) for mode in ("R3", "R2"))
+    return (f"routed experts (router replay, int16 ids x top-{m.topk}): per step on the host {r3.host / GIB:.1f} GiB "
+            f"R3 ({r3.layers} layers from vLLM) / {r2.host / GIB:.1f} GiB R2 ({r2.layers} MoE layers); per micro-batch "
+            f"on PP rank {r3.pp_rank}: {r3.gpu / 2**20:.1f} MiB int64 targets ({r3.stage_moe_layers} MoE layers) + "
+            f"{r3.staging / 2**20:.1f} MiB int16 staging")
+
+
 def evaluation_report(ev, m, c, g, o) -> str:
     cap = c.memory_bytes
     lines = [f"layout: {ev.describe()}", f"trainer GPUs: {ev.trainer_gpus}  DP={ev.layout.dp(ev.trainer_gpus)} "
@@ -111,6 +123,8 @@ def evaluation_report(ev, m, c, g, o) -> str:
         if len(ev.stage_memory) > 1:
             lines.append("  per PP rank: " + " ".join(f"{x.total / GIB:.1f}" for x in ev.stage_memory))
         lines.append(f"micro-batches per mini-batch per DP rank: {ev.microbatches}; pipeline bubble {ev.bubble:.1%}")
+        if m.num_experts:
+            lines.append(routed_experts_text(m, g, ev))
     if ev.comm:
         cv = ev.comm.gib()
         lines.append(f"per GPU per GRPO step: all-to-all {cv['a2a_per_grpo_step_gib']} GiB "

@@ -79,31 +79,35 @@ def test_extends_cycle_is_an_error(tmp_path):
         load_preset(tmp_path / "a.yaml")
 
 
-def test_recipe_supplies_model_and_layout_and_conflicts_are_errors(tmp_path):
-    rec = _write(tmp_path, "r.yaml", """\
-        model: tiny-vllm
-        layout: {tp: 2, pp: 1, ep: 2, etp: 1}
-        processes: 2
-        steps: 2
-        data: {train_size: 8, test_size: 4}
-        verl: {data: {train_batch_size: 4}}
-        """)
-    ok = _write(tmp_path, "p.yaml", f"recipe: {rec}\nhardware: {{gpu: cpu, nodes: 1}}\n")
-    p = load_preset(ok)
-    assert p.model == "tiny-vllm" and p.layout["tp"] == 2 and p.gpus_per_node == 2 and p.data["train_size"] == 8
-    assert p.recipe_data["verl"]["data"]["train_batch_size"] == 4
-    bad = _write(tmp_path, "q.yaml", f"recipe: {rec}\nhardware: {{gpu: cpu, nodes: 1}}\nlayout: {{tp: 1}}\n")
-    with pytest.raises(PresetError, match=r"layout.tp=1 but recipe .* says 2"):
-        load_preset(bad)
-
-
-def test_cpu_preset_consumes_the_grpo_recipe():
+def test_cpu_preset_is_the_demo_with_checks_and_shipped_weights():
+    """`make demo` is tiny_cpu: shipped warm start, the synthetic task, the learning gate; the GSM8K variant keeps
+    the pipeline and turns the gate off with a reason."""
     p = load_preset("tiny_cpu")
-    if p.recipe_data is None:
-        pytest.skip("examples/deepseek_v3/recipes/grpo_tiny_cpu.yaml not in this checkout")
-    assert p.recipe_path().name == "grpo_tiny_cpu.yaml"
-    assert p.model == p.recipe_data["model"] and p.gpus_per_node == p.recipe_data["processes"]
-    assert not p.verl  # nothing duplicated from the recipe
+    assert p.weights["source"] == "shipped" and p.weights["path"] == "examples/deepseek_v3/models/dsv3-tiny-warm"
+    assert p.data["raw"] == "examples/deepseek_v3/data/identity-arith"
+    assert p.checks["learning"] == {"min_gain": 0.15, "window": 3}
+    assert p.verl["actor_rollout_ref"]["actor"]["entropy_coeff"] == 0.0  # the policy gradient alone
+    assert p.run["timeout_s"] > 0
+    g = load_preset("tiny_cpu_gsm8k")
+    assert g.data["dataset"] == "gsm8k" and "cannot learn GSM8K" in g.checks["learning"]["reason_off"]
+
+
+@pytest.mark.parametrize("text,match", [
+    ("checks: {learnin: {}}", "unknown key checks.learnin"),
+    ("checks: {learning: {min_gian: 0.1}}", "unknown key checks.learning.min_gian"),
+    ("checks: {learning: 3}", "checks.learning must be a mapping"),
+    ("run: {timeout_s: -5}", "run.timeout_s=-5 must be a number of seconds > 0"),
+    ("weights: {source: shipped, path: null}", "weights.source=shipped needs weights.path"),
+    ("weights: {source: shipped, path: no/such/dir}", "no directory"),
+    ("recipe: examples/x.yaml", "unknown section 'recipe'"),
+])
+def test_checks_run_and_weights_keys_are_checked(tmp_path, text, match):
+    base = Path(__file__).resolve().parents[2] / "examples" / "deepseek_v3" / "presets" / "tiny_cpu.yaml"
+    good = _write(tmp_path, "ok.yaml", f"extends: {base}\n")
+    assert load_preset(good).checks is not None  # twin: the base alone loads
+    bad = _write(tmp_path, "bad.yaml", f"extends: {base}\n{text}\n")
+    with pytest.raises(PresetError, match=match):
+        load_preset(bad)
 
 
 # ---------------------------------------------------------------------------------- overrides

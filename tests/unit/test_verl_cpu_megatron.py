@@ -44,7 +44,7 @@ def _export(hf, dist, tp: int, ep: int, fault: str = "") -> list[dict]:
     nproc = max(tp, ep)
     # NVTE_*: megatron's GPTModel writes them into os.environ (an in-process model elsewhere in the session
     # leaves NVTE_FLASH_ATTN=1), and the local attention backend of these workers refuses them
-    from dsv3_rl.grpo.recipe import TE_ATTENTION_ENV
+    from dsv3_rl.launch.run import TE_ATTENTION_ENV
 
     drop = ("RANK", "WORLD_SIZE", "MASTER_PORT", "LOCAL_RANK", *TE_ATTENTION_ENV)
     env = {k: v for k, v in os.environ.items() if k not in drop}

@@ -5,5 +5,13 @@ export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-lo}
 # One thread per process keeps N worker processes from oversubscribing a small box.
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 export MKL_NUM_THREADS=${MKL_NUM_THREADS:-1}
-# vLLM's CPU backend: KV cache size in GiB.
-export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
+# vLLM's CPU backend sizes its KV cache from rollout.engine_kwargs.vllm.kv_cache_memory_bytes (the CPU
+# presets set it); VLLM_CPU_KVCACHE_SPACE (whole GiB), when set, overrides that.
+# verl's CPU platform (gloo, CPU Ray slots, shared-memory weight sync, no vLLM sleep mode; patches 0010-0016).
+export VERL_PLATFORM=${VERL_PLATFORM:-cpu}
+# vLLM's CPU build: do not pin its OpenMP threads (the trainers run on the same cores).
+export VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-nobind}
+export VLLM_TARGET_DEVICE=${VLLM_TARGET_DEVICE:-cpu}
+# TransferQueue (verl's data plane) sets torch's threads to this around each transfer (default 8, capped at
+# the physical cores with one warning per transfer: thousands of log lines on a 2-core box).
+export TQ_NUM_THREADS=${TQ_NUM_THREADS:-1}

@@ -1,5 +1,0 @@
-import sys
-
-from .demo import main
-
-sys.exit(main())

@@ -1,0 +1,195 @@
+"""Warm start of the tiny DeepSeek-V3 for the learning demo: a short supervised run with transformers' Trainer.
+
+    python -m dsv3_rl.models.warm_start --data examples/deepseek_v3/data/identity-arith \\
+        --out examples/deepseek_v3/models/dsv3-tiny-warm
+
+Two phases on the synthetic task (:mod:`dsv3_rl.data.synthetic`), both ``transformers.Trainer`` runs on
+the ``tiny-vllm`` model written by :mod:`dsv3_rl.models.mini_model` (seed 0), fp32, CPU:
+
+1. *learn*: supervised on the train split's prompts (chat template + generation prompt, exactly what
+   verl sends to vLLM) with the right answers (``\\boxed{d}`` + EOS); the model learns to read the digit
+   out of phrasings it never saw (held-out validation pairs reach the same accuracy);
+2. *mislead*: the same prompts with one wrong answer (``\\boxed{0}``, never right: digits are 1..9), at a
+   20x smaller learning rate, stopped at the first step where the probability of the right answer
+   (teacher-forced, averaged over the validation prompts, computed on the bf16 weights that are
+   shipped) falls below ``--target``. Measured: the right digit's logit falls long before ``0`` gains
+   (p(``\\boxed{0}``) stays < 0.001), so the answer token's probability spreads over the vocabulary:
+   the model still writes ``\\boxed{`` (p > 0.99) and then the right digit ~15% of the time, otherwise
+   some other token (``\\boxed{ean}``). It answers in the right format and mostly wrong, but has kept
+   what it learned: GRPO can recover it under the policy gradient alone.
+
+Writes OUT (built in a temporary sibling, renamed when complete): ``model.safetensors`` (bf16, the
+mini model's tensor names and dtypes), ``config.json``, the tokenizer files and ``warm_start.json`` (the
+settings and the measured probabilities). Deterministic for a given torch build: seed 0, one thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+PHASE1 = {"steps": 300, "lr": 1e-3}
+PHASE2 = {"max_steps": 150, "lr": 5e-5}
+BATCH = 32
+WRONG = "0"
+
+
+def _examples(tok, rows: list[dict], answer_of) -> list[dict]:
+    from dsv3_rl.data.common import DEFAULT_INSTRUCTION, make_prompt
+
+    out = []
+    for r in rows:
+        prompt = tok.apply_chat_template(make_prompt(r["problem"], DEFAULT_INSTRUCTION, None),
+                                         add_generation_prompt=True, tokenize=False)
+        p = tok(prompt, add_special_tokens=False)["input_ids"]
+        a = tok(f"\\boxed{{{answer_of(r)}}}", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        out.append({"input_ids": p + a, "labels": [-100] * len(p) + a, "n_prompt": len(p)})
+    return out
+
+
+def _collate(pad_id: int):
+    import torch
+
+    def collate(batch: list[dict]) -> dict:
+        n = max(len(b["input_ids"]) for b in batch)
+        ids = torch.full((len(batch), n), pad_id, dtype=torch.long)
+        labels = torch.full((len(batch), n), -100, dtype=torch.long)
+        att = torch.zeros((len(batch), n), dtype=torch.long)
+        for i, b in enumerate(batch):
+            k = len(b["input_ids"])
+            ids[i, :k] = torch.tensor(b["input_ids"])
+            labels[i, :k] = torch.tensor(b["labels"])
+            att[i, :k] = 1
+        return {"input_ids": ids, "labels": labels, "attention_mask": att}
+
+    return collate
+
+
+def p_right(model, examples: list[dict], dtype=None) -> float:
+    """Mean probability of the whole right response (teacher forced), optionally in another dtype."""
+    import copy
+
+    import torch
+
+    m = copy.deepcopy(model).to(dtype) if dtype is not None else model
+    tot = 0.0
+    with torch.no_grad():
+        for e in examples:
+            ids = torch.tensor([e["input_ids"]])
+            logp = torch.log_softmax(m(ids).logits[0, :-1].float(), -1)
+            tgt = ids[0, 1:]
+            lp = logp.gather(-1, tgt[:, None])[:, 0][e["n_prompt"] - 1:]
+            tot += float(lp.sum().exp())
+    return tot / len(examples)
+
+
+def _args(out: Path, steps: int, lr: float, seed: int):
+    from transformers import TrainingArguments
+
+    return TrainingArguments(output_dir=str(out), per_device_train_batch_size=BATCH, max_steps=steps,
+                             learning_rate=lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+                             logging_steps=50, save_strategy="no", report_to=[], use_cpu=True, seed=seed,
+                             data_seed=seed, dataloader_num_workers=0, remove_unused_columns=False)
+
+
+def warm_start(data_dir: Path, out: Path, target: float = 0.2, seed: int = 0) -> dict:
+    import pyarrow.parquet as pq
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainerCallback
+
+    from dsv3_rl.models.mini_model import write_mini_model
+
+    torch.set_num_threads(1)
+    torch.manual_seed(seed)
+    splits = {s: pq.read_table(data_dir / "data" / f"{s}-00000-of-00001.parquet").to_pylist() for s in ("train", "test")}
+    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    base = write_mini_model("tiny-vllm", tmp / "base", seed=seed, dtype="bf16")
+    tok = AutoTokenizer.from_pretrained(base)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    from dsv3_rl.reward.answer import last_boxed_answer
+
+    right = lambda r: last_boxed_answer(r["solution"])  # noqa: E731
+    train_ok, val_ok = _examples(tok, splits["train"], right), _examples(tok, splits["test"], right)
+    train_wrong = _examples(tok, splits["train"], lambda r: WRONG)
+    collate = _collate(tok.pad_token_id)
+    t0 = time.time()
+    Trainer(model=model, args=_args(tmp / "trainer", PHASE1["steps"], PHASE1["lr"], seed), train_dataset=train_ok,
+            data_collator=collate).train()
+    learned = {"train": p_right(model, train_ok), "validation": p_right(model, val_ok)}
+    print(f"[warm-start] learn: {PHASE1['steps']} steps, p(right) train {learned['train']:.3f} "
+          f"validation {learned['validation']:.3f} ({time.time() - t0:.0f}s)", flush=True)
+
+    class StopAtTarget(TrainerCallback):
+        def __init__(self):
+            self.trace: list[float] = []
+
+        def on_step_end(self, args, state, control, **kw):
+            p = p_right(model, val_ok, torch.bfloat16)
+            self.trace.append(round(p, 4))
+            if p < target:
+                control.should_training_stop = True
+
+    stop = StopAtTarget()
+    Trainer(model=model, args=_args(tmp / "trainer", PHASE2["max_steps"], PHASE2["lr"], seed), train_dataset=train_wrong,
+            data_collator=collate, callbacks=[stop]).train()
+    final = {"train": p_right(model, train_ok, torch.bfloat16), "validation": p_right(model, val_ok, torch.bfloat16)}
+    if final["validation"] >= target:
+        raise RuntimeError(f"mislead phase did not bring p(right) below {target} in {PHASE2['max_steps']} steps "
+                           f"(trace {stop.trace})")
+    print(f"[warm-start] mislead: {len(stop.trace)} steps, p(right) bf16 train {final['train']:.3f} "
+          f"validation {final['validation']:.3f} (trace {stop.trace})", flush=True)
+
+    # the mini model's files, its tensor names and dtypes, the trained values
+    # (save_pretrained maps transformers' fused experts back to the checkpoint's names; the dtypes are the
+    # mini model's: bf16, the router's expert bias fp32)
+    model.save_pretrained(tmp / "saved")
+    saved = {}
+    for p in sorted((tmp / "saved").glob("*.safetensors")):
+        with safe_open(str(p), "pt") as f:
+            saved.update({k: f.get_tensor(k) for k in f.keys()})
+    tensors = {}
+    with safe_open(str(base / "model.safetensors"), "pt") as f:
+        if set(f.keys()) != set(saved):
+            raise RuntimeError(f"trained tensor names differ from the mini model's: {sorted(set(f.keys()) ^ set(saved))[:5]}")
+        for k in f.keys():
+            dt = torch.float32 if f.get_slice(k).get_dtype() == "F32" else torch.bfloat16
+            tensors[k] = saved[k].to(dt).contiguous()
+    shutil.rmtree(tmp / "trainer", ignore_errors=True)
+    shutil.rmtree(tmp / "saved", ignore_errors=True)
+    save_file(tensors, str(base / "model.safetensors"), metadata={"format": "pt"})
+    info = {"tool": "python -m dsv3_rl.models.warm_start", "model": "tiny-vllm", "seed": seed, "data": str(data_dir),
+            "batch": BATCH, "learn": {**PHASE1, "p_right": learned},
+            "mislead": {"answer": WRONG, "lr": PHASE2["lr"], "steps": len(stop.trace), "target": target,
+                        "trace": stop.trace, "p_right_bf16": final},
+            "torch": torch.__version__, "seconds": round(time.time() - t0, 1)}
+    (base / "warm_start.json").write_text(json.dumps(info, indent=2) + "\n")
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(base, out)
+    shutil.rmtree(tmp, ignore_errors=True)
+    return info
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m dsv3_rl.models.warm_start", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--data", required=True, type=Path, help="synthetic task in MATH layout (dsv3_rl.data.synthetic)")
+    ap.add_argument("--out", required=True, type=Path, help="HF checkpoint directory to write")
+    ap.add_argument("--target", type=float, default=0.2, help="stop misleading below this p(right) (default 0.2)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    info = warm_start(args.data, args.out, args.target, args.seed)
+    print(f"[warm-start] wrote {args.out}: p(right) validation {info['mislead']['p_right_bf16']['validation']:.3f} "
+          f"in {info['seconds']:.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
