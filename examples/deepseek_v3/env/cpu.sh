@@ -15,3 +15,6 @@ export VLLM_TARGET_DEVICE=${VLLM_TARGET_DEVICE:-cpu}
 # TransferQueue (verl's data plane) sets torch's threads to this around each transfer (default 8, capped at
 # the physical cores with one warning per transfer: thousands of log lines on a 2-core box).
 export TQ_NUM_THREADS=${TQ_NUM_THREADS:-1}
+# glibc: at most 2 malloc arenas per process. The ~40 processes of a CPU run (Ray, vLLM, Megatron, TransferQueue)
+# are multi-threaded; per-thread arenas let their resident memory creep up step after step.
+export MALLOC_ARENA_MAX=${MALLOC_ARENA_MAX:-2}
