@@ -52,6 +52,7 @@ def run_suite(src: Path, import_root: Path | None, jobs_out: Path) -> tuple[set[
     t0 = time.time()
     for i, f in enumerate(files, 1):
         rel = f.relative_to(src)
+        t_file = time.time()
         junit = jobs_out / (str(rel).replace("/", "__") + ".xml")
         try:
             # the backend's own root and no config: the patched tree lives inside this repo, whose
@@ -64,12 +65,14 @@ def run_suite(src: Path, import_root: Path | None, jobs_out: Path) -> tuple[set[
         p, fl = _passed_ids(junit)
         passed |= p
         failed |= fl
+        # this file's own time; the whole suite's is printed once, after the loop
         print(f"[backend-tests] {i}/{len(files)} {rel}: {len(p)} passed, {len(fl)} failed "
-              f"({time.time() - t0:.0f}s)", flush=True)
+              f"in {time.time() - t_file:.0f}s", flush=True)
         # Ray leaves daemons behind when a test file dies; never let one leak into the next file.
         ray = Path(sys.executable).with_name("ray")  # the venv's, also when its bin/ is not on PATH
         if ray.exists():
             subprocess.run([str(ray), "stop", "--force"], capture_output=True, env=env)
+    print(f"[backend-tests] {len(files)} files in {time.time() - t0:.0f}s (with `ray stop` after each)", flush=True)
     return passed, failed
 
 

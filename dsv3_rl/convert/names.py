@@ -275,7 +275,3 @@ def build_plan(hf_config: Any, keep_mtp: bool = False, spec: str = "both") -> Pl
             for name in [*mtp_names, *dup]:
                 ignored[name] = "MTP layer (dropped; keep it with --keep-mtp)"
     return Plan(items, extras, hf_shapes, ignored, dups, spec)
-
-
-def expert_layers(plan: Plan) -> int:
-    return sum(1 for it in plan.items if it.kind == "experts")

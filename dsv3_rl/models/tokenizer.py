@@ -6,9 +6,10 @@ BOS/EOS/PAD as in the real tokenizer) and a DeepSeek-V3-style chat template. Bui
 gives the same files, byte for byte.
 
 The built files are cached in ``tests/assets/tokenizer/`` (about 100 KB), trained on the train
-splits of the MATH and GSM8K samples (``/work/shared/data`` when it was built; see
-``build_info.json`` there). Where that cache is absent (an installed wheel), ``tokenizer_dir()``
-builds the same-sized tokenizer from a small embedded corpus instead.
+splits of the full MATH-lighteval and GSM8K samples the test fixtures were cut from (not in the
+repo; ``build_info.json`` there names the files and their hashes). Where that cache is absent (an
+installed wheel), ``tokenizer_dir()`` builds the same-sized tokenizer from a small embedded corpus
+instead.
 
 CLI::
 

@@ -77,10 +77,3 @@ def predict_row(row: dict) -> float:
     split, v = split_layers(m.num_layers, 1)
     mb, _ = train_memory(m, split, lay, g, o, 1, row["num_microbatches"])
     return mb.allocated
-
-
-def predict_breakdown(row: dict) -> dict:
-    m, lay, g, o = bench_setup(row)
-    split, v = split_layers(m.num_layers, 1)
-    mb, _ = train_memory(m, split, lay, g, o, 1, row["num_microbatches"])
-    return mb.gib()

@@ -29,8 +29,6 @@ from pathlib import Path
 
 from dsv3_rl.reward.answer import _INT, _match_braced, gsm8k_hash_answer, last_boxed_answer, normalize_answer
 
-MATH_SOURCE = "DigitalLearningGmbH/MATH-lighteval"
-
 
 def replace_last_boxed(solution: str, new_answer: str) -> str:
     """``solution`` with the content of its last ``\\boxed{}``/``\\fbox{}`` replaced."""

@@ -1,8 +1,8 @@
 """Data preparation (issue #6): MATH-lighteval and GSM8K -> verl RL parquet.
 
-Fixtures: tests/assets/{math_lighteval_mini,gsm8k_mini} (rows copied from the shared samples);
-the in-repo demo sample examples/deepseek_v3/data/MATH-lighteval-sample; the full shared
-sample ../shared/data when present (skipped otherwise).
+Fixtures: tests/assets/{math_lighteval_mini,gsm8k_mini} (rows copied from the full samples);
+the in-repo demo sample examples/deepseek_v3/data/MATH-lighteval-sample; the full samples
+themselves (not in the repo) when DSV3_SHARED_DATA names a directory holding them (skipped otherwise).
 """
 
 from __future__ import annotations
@@ -199,7 +199,8 @@ def test_demo_sample_in_repo_converts(tmp_path):
     assert validate_rl_parquet(out / "test.parquet") == 50
 
 
-@pytest.mark.skipif(not SHARED.is_dir(), reason=f"shared sample data not present at {SHARED}")
+@pytest.mark.skipif(not SHARED.is_dir(), reason="needs the full MATH-lighteval/GSM8K samples (not in the repo): "
+                    "set DSV3_SHARED_DATA to a directory holding MATH-lighteval-sample/ and gsm8k-sample/")
 def test_full_shared_samples_convert(tmp_path):
     assert _prep(math_lighteval, "--input_dir", SHARED / "MATH-lighteval-sample", "--local_dir", tmp_path / "m") == 0
     assert _prep(gsm8k, "--input_dir", SHARED / "gsm8k-sample", "--local_dir", tmp_path / "g") == 0

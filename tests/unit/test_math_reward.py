@@ -382,7 +382,8 @@ def test_rates_on_in_repo_demo_sample():
     _assert_perfect(rep)
 
 
-@pytest.mark.skipif(not SHARED.is_dir(), reason=f"shared sample data not present at {SHARED}")
+@pytest.mark.skipif(not SHARED.is_dir(), reason="needs the full MATH-lighteval sample (not in the repo): "
+                    "set DSV3_SHARED_DATA to a directory holding MATH-lighteval-sample/")
 def test_rates_on_full_shared_math_sample():
     rep = _rates(SHARED / "MATH-lighteval-sample")
     assert rep.n["reference"] == 400

@@ -48,9 +48,11 @@ def _transfer(weights: list[tuple[str, torch.Tensor]], bucket_mb: int = 1, timeo
         for name, t in bucket:
             kept[name] = t  # keep the tensor itself, no copy: what an aliasing loader does
 
+    receiver = BucketedWeightReceiver(handle, torch.device("cpu"), use_shm=True)
+
     def receive():
         try:
-            BucketedWeightReceiver(handle, torch.device("cpu"), use_shm=True).receive_weights(on_bucket)
+            receiver.receive_weights(on_bucket)
         except BaseException as e:  # noqa: BLE001
             errors.append(e)
 
@@ -61,11 +63,35 @@ def _transfer(weights: list[tuple[str, torch.Tensor]], bucket_mb: int = 1, timeo
     send.start()
     send.join(timeout=timeout_s)
     th.join(timeout=5)
-    assert not th.is_alive() and not send.is_alive(), "weight transfer did not finish"
-    assert not errors, f"receiver failed: {errors[0]!r}"
+    failure = ("weight transfer did not finish" if th.is_alive() or send.is_alive()
+               else f"receiver failed: {errors[0]!r}" if errors else None)
+    if failure:
+        if not th.is_alive():
+            _release_receiver(receiver, kept, errors)
+            send.join(timeout=5)
+        raise AssertionError(failure)
     if handle.startswith("ipc://"):
         assert not os.path.exists(handle[len("ipc://"):])
     return kept
+
+
+def _release_receiver(receiver, kept: dict, errors: list) -> None:
+    """After a failed transfer, finish the receiver's cleanup ourselves. Its own ``shm.close()`` failed
+    while tensors aliasing the bucket were alive; left to the garbage collector (``errors`` -> the error's
+    traceback -> the receiver forms a cycle), ``SharedMemory.__del__`` runs while the views still exist
+    and fails again, which pytest reports as an unraisable ``BufferError`` in whatever test runs next.
+    The failed cleanup also never sent the final ack, so the sender still waits for it and keeps its
+    socket file and shared memory: ack it, and the sender removes both."""
+    kept.clear()  # the views into the bucket
+    errors.clear()  # the error, whose traceback holds the receiver's frames
+    if receiver.shm is not None:
+        receiver.shm.close()
+        receiver.shm = None
+    if receiver.socket is not None:
+        if receiver._ack_pending:
+            receiver.socket.send(b"")
+        receiver.socket.close()
+        receiver.socket = None
 
 
 def test_shm_weight_sync_values_survive_bucket_reuse():
