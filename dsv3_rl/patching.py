@@ -19,7 +19,9 @@ Operations (all strict, all idempotent):
 * ``apply``   skip patches already applied (reverse dry run succeeds), apply the rest, or stop at
               the first that does not apply, naming the patch, the upstream file and the hunk.
 * ``revert``  reverse-apply in reverse order; the touched files end byte-identical to pristine.
-* ``status``  applied / not applied / conflict, per patch.
+* ``status``  applied / not applied / conflict, per patch, and drift: files where the live tree differs
+              from pristine + series (a hand edit outside every hunk); exit 1 on a conflict or drift.
+              ``check`` reports drift too.
 * ``diff`` / ``new`` / ``refresh``   turn edits in ``backends/<name>-<version>/`` into patches.
 * ``table``   regenerate PATCHES.md from the headers; ``lint`` checks series/files/headers.
 """
@@ -40,19 +42,19 @@ from dsv3_rl.backends import (
     BASELINE_TAG,
     REPO_ROOT,
     Backend,
-    BackendError,
     fetch,
     git,
     has_baseline,
     load_lock,
 )
+from dsv3_rl.errors import Dsv3Error, cli_main
 
 REQUIRED_FIELDS = ("Description", "Why", "Upstream-Version", "Forwarded", "Remove-When", "Verified-By")
 OPTIONAL_FIELDS = ("Origin", "Author", "Bug", "Last-Update")
 _PATCH_NAME = re.compile(r"^(\d{4})-[a-z0-9][a-z0-9.-]*\.patch$")
 
 
-class PatchError(RuntimeError):
+class PatchError(Dsv3Error, RuntimeError):
     """A patch or series is malformed or does not apply."""
 
 
@@ -91,7 +93,11 @@ class Patch:
 
 
 def parse_patch(backend: Backend, path: Path) -> Patch:
-    text = path.read_text()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise PatchError(f"{path}: not a text patch (byte {e.start} is not UTF-8); a patch is a header and a "
+                         f"'git diff' in text") from None
     m = re.search(r"^(diff --git |--- a/)", text, re.M)
     if not m:
         raise PatchError(f"{path}: no diff found (expected a 'diff --git' section after the header)")
@@ -338,6 +344,39 @@ def diff_against_series(backend: Backend, root: Path = REPO_ROOT, upto: int | No
         return git(tree, "diff-tree", "-p", "--no-renames", "--full-index", a, b).stdout
 
 
+def drift(backend: Backend, root: Path = REPO_ROOT) -> list[tuple[str, str]]:
+    """Files where the live backend tree differs from pristine + the whole series: ``(file, "+A -R lines")``
+    (``binary`` for a binary file). Empty when the tree is exactly what the series makes. A hand edit to
+    the installed (editable) backend shows here even when every patch still reports "applied"."""
+    tree = _require_tree(backend, root)
+    patches = lint(backend, root, headers=False)
+    with tempfile.TemporaryDirectory(prefix="dsv3-drift-") as td:
+        expected = Path(td) / "expected"
+        expected.mkdir()
+        _scratch_copy(backend, root, expected)
+        for p in patches:
+            r = _git_apply(expected, p)
+            if r.returncode != 0:
+                raise PatchError(_explain_failure(p, r.stderr))
+        a, b = _tree_hash(backend, root, expected), _tree_hash(backend, root, tree)
+        out = git(tree, "diff-tree", "-r", "--numstat", "--no-renames", a, b).stdout
+    rows = []
+    for line in out.splitlines():
+        added, removed, f = line.split("\t", 2)
+        rows.append((f, "binary" if added == "-" else f"+{added} -{removed} lines"))
+    return rows
+
+
+def _report_drift(b: Backend, root: Path) -> int:
+    rows = drift(b, root)
+    for f, what in rows:
+        print(f"  drift        {f} ({what}): differs from pristine + series (an edit outside every patch)")
+    if rows:
+        print(f"[patches] {b.name} {b.version}: {len(rows)} file(s) drift from pristine + series; "
+              f"`dsv3-patches diff {b.name}` (make patch-diff) shows the edits, `dsv3-patches new` turns them into a patch")
+    return len(rows)
+
+
 HEADER_TEMPLATE = """Description: {description}
 Why: TODO the symptom this fixes, with the exact error text
 Upstream-Version: {upstream}
@@ -436,6 +475,7 @@ def _selected(names: list[str] | None, root: Path) -> list[Backend]:
     return [lock[n] for n in names]
 
 
+@cli_main
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="dsv3-patches", description=__doc__.split("\n\n")[0])
     ap.add_argument("--root", type=Path, default=REPO_ROOT, help="repository root (default: this checkout)")
@@ -448,8 +488,8 @@ def main(argv: list[str] | None = None) -> int:
                        ("lint", "series vs files, numbering, headers")]:
         s = sub.add_parser(cmd, help=help_)
         s.add_argument("backends", nargs="*", help="backend names from backends.lock (default: all)")
-    s = sub.add_parser("diff", help="print the live tree's edits beyond the series")
-    s.add_argument("backend")
+    s = sub.add_parser("diff", help="print the live tree's edits beyond the series (drift), as a diff")
+    s.add_argument("backends", nargs="*", help="backend names from backends.lock (default: all)")
     s = sub.add_parser("new", help="turn the live tree's edits into a new patch appended to the series")
     s.add_argument("backend")
     s.add_argument("name", help="e.g. 0007-my-fix (number optional)")
@@ -461,54 +501,57 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--check", action="store_true")
     args = ap.parse_args(argv)
     root = args.root.resolve()
-    try:
-        if args.cmd == "fetch":
-            for b in _selected(args.backends, root):
-                fetch(b, root)
-        elif args.cmd == "lint":
-            for b in _selected(args.backends, root):
-                print(f"[patches] {b.name} {b.version}: {len(lint(b, root))} patches, series and headers ok")
-        elif args.cmd == "check":
-            for b in _selected(args.backends, root):
-                print(f"[patches] {b.name} {b.version}: all {check(b, root)} patches apply cleanly to pristine")
-        elif args.cmd == "apply":
-            for b in _selected(args.backends, root):
-                new, old = apply(b, root)
-                print(f"[patches] {b.name} {b.version}: {new} applied, {old} already applied")
-        elif args.cmd == "revert":
-            for b in _selected(args.backends, root):
-                print(f"[patches] {b.name} {b.version}: {revert(b, root)} reverted; touched files are pristine")
-        elif args.cmd == "status":
-            bad = 0
-            for b in _selected(args.backends, root):
-                rows = status(b, root)
-                print(f"{b.name} {b.version} ({b.path(root).relative_to(root)})")
-                for name, st in rows:
-                    print(f"  {st:<12} {name}")
-                    bad += st == "conflict"
-            return 1 if bad else 0
-        elif args.cmd == "diff":
-            sys.stdout.write(diff_against_series(_selected([args.backend], root)[0], root))
-        elif args.cmd == "new":
-            path = new_patch(_selected([args.backend], root)[0], args.name, args.description, root)
-            print(f"[patches] wrote {path.relative_to(root)}; fill in its header (Why, Remove-When, Verified-By), then `make patches-table`")
-        elif args.cmd == "refresh":
-            path = refresh_patch(_selected([args.backend], root)[0], args.patch, root)
-            print(f"[patches] refreshed {path.relative_to(root)}")
-        elif args.cmd == "table":
-            text = render_table(root)
-            target = root / "PATCHES.md"
-            if args.check:
-                if not target.exists() or target.read_text() != text:
-                    print("PATCHES.md is out of date with the patch headers; run `make patches-table`", file=sys.stderr)
-                    return 1
-                print("[patches] PATCHES.md is current")
-            else:
-                _atomic_write(target, text)
-                print(f"[patches] wrote {target.relative_to(root)}")
-    except (PatchError, BackendError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    if args.cmd == "fetch":
+        for b in _selected(args.backends, root):
+            fetch(b, root)
+    elif args.cmd == "lint":
+        for b in _selected(args.backends, root):
+            print(f"[patches] {b.name} {b.version}: {len(lint(b, root))} patches, series and headers ok")
+    elif args.cmd == "check":
+        drifted = 0
+        for b in _selected(args.backends, root):
+            print(f"[patches] {b.name} {b.version}: all {check(b, root)} patches apply cleanly to pristine")
+            if has_baseline(b.path(root)) and all(st == "applied" for _, st in status(b, root)):
+                drifted += _report_drift(b, root)  # drift is measured against the whole series, applied
+        return 1 if drifted else 0
+    elif args.cmd == "apply":
+        for b in _selected(args.backends, root):
+            new, old = apply(b, root)
+            print(f"[patches] {b.name} {b.version}: {new} applied, {old} already applied")
+    elif args.cmd == "revert":
+        for b in _selected(args.backends, root):
+            print(f"[patches] {b.name} {b.version}: {revert(b, root)} reverted; touched files are pristine")
+    elif args.cmd == "status":
+        bad = 0
+        for b in _selected(args.backends, root):
+            rows = status(b, root)
+            print(f"{b.name} {b.version} ({b.path(root).relative_to(root)})")
+            for name, st in rows:
+                print(f"  {st:<12} {name}")
+                bad += st == "conflict"
+            if all(st == "applied" for _, st in rows):  # drift is measured against the whole series
+                bad += _report_drift(b, root)
+        return 1 if bad else 0
+    elif args.cmd == "diff":
+        for b in _selected(args.backends, root):
+            sys.stdout.write(diff_against_series(b, root))
+    elif args.cmd == "new":
+        path = new_patch(_selected([args.backend], root)[0], args.name, args.description, root)
+        print(f"[patches] wrote {path.relative_to(root)}; fill in its header (Why, Remove-When, Verified-By), then `make patches-table`")
+    elif args.cmd == "refresh":
+        path = refresh_patch(_selected([args.backend], root)[0], args.patch, root)
+        print(f"[patches] refreshed {path.relative_to(root)}")
+    elif args.cmd == "table":
+        text = render_table(root)
+        target = root / "PATCHES.md"
+        if args.check:
+            if not target.exists() or target.read_text() != text:
+                print("PATCHES.md is out of date with the patch headers; run `make patches-table`", file=sys.stderr)
+                return 1
+            print("[patches] PATCHES.md is current")
+        else:
+            _atomic_write(target, text)
+            print(f"[patches] wrote {target.relative_to(root)}")
     return 0
 
 

@@ -42,9 +42,12 @@ from pathlib import Path
 import torch
 
 from . import fp8_kernels as K
-from .hf_config import BIAS_SUFFIX, ConfigError, check_family, fix_config, write_json_atomic
+# FP8_WEIGHT_RE: the linear weights DeepSeek ships in FP8 (not: embeddings, lm_head, norms, router gate, eh_proj).
+from .hf_config import (BIAS_SUFFIX, FP8_WEIGHT_RE, ConfigError, check_family, check_tensor_dtypes, fix_config,
+                        write_json_atomic)
 from .safetensors_io import (Header, SafetensorsError, ShardWriter, TensorInfo, itemsize, pread_exact, read_header,
                              read_tensor, sha256_file)
+from dsv3_rl.errors import Dsv3Error, check_space, cli_main
 
 INDEX = "model.safetensors.index.json"
 MANIFEST = ".dsv3-convert-manifest.json"
@@ -53,15 +56,10 @@ SCALE_DTYPES = ("F32", "BF16", "F16")
 SKIP_DIRS = {".git", ".cache", ".huggingface"}
 QUANTIZATION_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                        "weight_block_size": [K.BLOCK, K.BLOCK]}
-# Linear weights DeepSeek ships in FP8 (not: embeddings, lm_head, norms, router gate, MTP eh_proj).
-FP8_WEIGHT_RE = re.compile(
-    r"^model\.layers\.\d+\.(self_attn\.(q_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj)"
-    r"|mlp\.(shared_experts\.|experts\.\d+\.)?(gate_proj|up_proj|down_proj))\.weight$"
-)
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(Dsv3Error, ValueError):
     """Bad input or output location; the message names the file, tensor or option."""
 
 
@@ -188,6 +186,15 @@ def _check_scale(name: str, info: TensorInfo, where: dict) -> tuple[Path, Tensor
     return spath, sinfo
 
 
+def _check_dtypes(headers: dict[str, Header]) -> None:
+    """Every tensor's dtype is one the architecture allows (a ``_scale_inv`` is checked with its weight)."""
+    for h in headers.values():
+        try:
+            check_tensor_dtypes({n: i.dtype for n, i in h.tensors.items() if not n.endswith(SCALE_SUFFIX)}, str(h.path))
+        except ConfigError as e:
+            raise CheckpointError(str(e)) from None
+
+
 def plan_cast(in_dir, out_dir, *, drop_mtp: bool = True) -> Plan:
     """Validate an FP8 checkpoint and plan its BF16 output; raises CheckpointError naming the problem."""
     in_dir, out_dir = Path(in_dir), Path(out_dir)
@@ -208,11 +215,12 @@ def plan_cast(in_dir, out_dir, *, drop_mtp: bool = True) -> Plan:
     if other_fp8:
         raise CheckpointError(f"tensor {other_fp8[0]!r} has dtype {where[other_fp8[0]][1].dtype}; "
                               f"only F8_E4M3 (float8_e4m3fn) weights can be cast")
-    for n, (p, i) in where.items():
+    for n, (p, _info) in where.items():
         if n.endswith(SCALE_SUFFIX):
             w = n[: -len(SCALE_SUFFIX)]
             if w not in where or where[w][1].dtype != "F8_E4M3":
                 raise CheckpointError(f"scale {n!r} ({p.name}) has no FP8 weight {w!r} to go with it")
+    _check_dtypes(headers)
     n_layers = int(config["num_hidden_layers"])
     plan = Plan("fp8_to_bf16", in_dir, out_dir, config, [], {f: h.file_size for f, h in headers.items()},
                 {"direction": "fp8_to_bf16", "drop_mtp": drop_mtp}, warnings=warnings)
@@ -252,6 +260,7 @@ def plan_quantize(in_dir, out_dir, *, scale_fmt: str = "pow2", drop_mtp: bool = 
     already = [n for n, (_, i) in where.items() if i.dtype.startswith("F8_") or n.endswith(SCALE_SUFFIX)]
     if already:
         raise CheckpointError(f"{in_dir} is already FP8 (e.g. tensor {already[0]!r}); nothing to quantize")
+    _check_dtypes(headers)
     n_layers = int(config["num_hidden_layers"])
     plan = Plan("bf16_to_fp8", in_dir, out_dir, config, [], {f: h.file_size for f, h in headers.items()},
                 {"direction": "bf16_to_fp8", "drop_mtp": drop_mtp, "scale_fmt": scale_fmt}, warnings=warnings)
@@ -409,13 +418,6 @@ class Summary:
                 f"{gb_in / t:.2f} GB/s in, {gb_out / t:.2f} GB/s out [{self.device}, {self.workers} workers]")
 
 
-def _free_bytes(path: Path) -> int:
-    p = path
-    while not p.exists():
-        p = p.parent
-    return shutil.disk_usage(p).free
-
-
 def _other_files(plan: Plan) -> list[Path]:
     """Input files to copy as they are (tokenizer, generation config, code, README...)."""
     out_resolved = plan.out_dir.resolve()
@@ -445,10 +447,15 @@ def _load_manifest(plan: Plan, overwrite: bool) -> dict:
     path = plan.out_dir / MANIFEST
     fresh = {"tool": "dsv3_rl.checkpoint.fp8", "version": 1, "input": str(plan.in_dir.resolve()),
              "options": plan.options, "shards": {}, "complete": False}
-    if overwrite or not path.is_file():
-        if not overwrite and plan.out_dir.is_dir() and any(plan.out_dir.glob("*.safetensors")):
-            raise CheckpointError(f"output dir {plan.out_dir} already has *.safetensors but no {MANIFEST}: "
-                                  f"not a previous run of this tool; use an empty dir or pass --overwrite")
+    if not path.is_file():
+        theirs = sorted(p.name for p in plan.out_dir.iterdir()) if plan.out_dir.is_dir() else []
+        if theirs:
+            raise CheckpointError(
+                f"output dir {plan.out_dir} is not empty ({len(theirs)} entries, e.g. {theirs[0]!r}) and holds no "
+                f"{MANIFEST}: not an output of this tool, so nothing in it is replaced; choose an empty or new dir")
+        return fresh
+    if overwrite:
+        _clear_previous(plan.out_dir, path)
         return fresh
     try:
         manifest = json.loads(path.read_text())
@@ -460,6 +467,24 @@ def _load_manifest(plan: Plan, overwrite: bool) -> dict:
             f"{manifest.get('options')}; this run is {fresh['input']} with {plan.options}. "
             f"Use the same options, an empty dir, or --overwrite")
     return manifest
+
+
+def _clear_previous(out_dir: Path, manifest_path: Path) -> None:
+    """--overwrite: remove what a previous run of this tool wrote (its shards, index, manifest); nothing else."""
+    try:
+        old = json.loads(manifest_path.read_text())
+    except (json.JSONDecodeError, OSError):
+        old = {}
+    ours = set(old.get("shards", {}))
+    try:
+        ours |= set(json.loads((out_dir / INDEX).read_text())["weight_map"].values())
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, AttributeError):
+        pass
+    for name in sorted(ours):
+        if "/" not in name and name.endswith(".safetensors"):
+            (out_dir / name).unlink(missing_ok=True)
+    (out_dir / INDEX).unlink(missing_ok=True)
+    manifest_path.unlink()
 
 
 def _is_done(plan: Plan, shard: OutShard, manifest: dict, verify: bool) -> bool:
@@ -492,10 +517,10 @@ def run(plan: Plan, *, device: str = "auto", workers: int | None = None, chunk_m
     need = sum(s.data_bytes + 64 * 1024 for s in pending)
     need += sum((in_dir / f).stat().st_size for f in other if not (out_dir / f).is_file())
     if not skip_space_check:
-        free = _free_bytes(out_dir)
-        if need + (64 << 20) > free:
-            raise CheckpointError(f"not enough disk space for {out_dir}: need {need / 1e9:.2f} GB "
-                                  f"({len(pending)} shards to write), {free / 1e9:.2f} GB free")
+        try:
+            check_space(out_dir, need, f"{len(pending)} shards to write")
+        except Dsv3Error as e:
+            raise CheckpointError(str(e)) from None
     out_dir.mkdir(parents=True, exist_ok=True)
     for stale in out_dir.glob("*.tmp-*"):  # an interrupted run's partial files
         stale.unlink()
@@ -610,7 +635,7 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m dsv3_rl.checkpoint.fp8",
+    p = argparse.ArgumentParser(prog="dsv3-fp8-cast",
                                 description="DeepSeek-V3 FP8 <-> BF16 checkpoint conversion.")
     sub = p.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("cast", help="FP8 release -> BF16 (the RL starting point)")
@@ -631,6 +656,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _one_path(pos_name: str, pos: str | None, flag_name: str, flag: str | None) -> str:
+    """The path given as positional POS_NAME or as FLAG_NAME; both (differing) or neither is refused."""
+    if pos and flag and os.path.abspath(pos) != os.path.abspath(flag):
+        raise CheckpointError(f"{pos_name} {pos!r} and {flag_name} {flag!r} disagree; give one of them")
+    if not (pos or flag):
+        raise CheckpointError(f"give {pos_name} (or {flag_name})")
+    return pos or flag
+
+
+@cli_main(interrupted="finished shards are kept; rerun the same command to resume")
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in ("cast", "quantize", "-h", "--help"):
@@ -639,22 +674,13 @@ def main(argv: list[str] | None = None) -> int:
     run_kwargs = dict(device=args.device, workers=args.workers, chunk_mb=args.chunk_mb,
                       verify_existing=args.verify_existing, overwrite=args.overwrite,
                       skip_space_check=args.skip_space_check, progress=not args.no_progress)
-    try:
-        if args.cmd == "cast":
-            src, dst = args.input_flag or args.input, args.output_flag or args.output
-            if not src or not dst:
-                print("error: give INPUT and OUTPUT (or --input-fp8-hf-path / --output-bf16-hf-path)", file=sys.stderr)
-                return 2
-            summary = cast_checkpoint(src, dst, drop_mtp=not args.keep_mtp, **run_kwargs)
-        else:
-            summary = quantize_checkpoint(args.input, args.output, scale_fmt=args.scale_fmt,
-                                          drop_mtp=args.drop_mtp, **run_kwargs)
-    except (CheckpointError, SafetensorsError, ConfigError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted: finished shards are kept; rerun the same command to resume", file=sys.stderr)
-        return 130
+    if args.cmd == "cast":
+        src = _one_path("INPUT", args.input, "--input-fp8-hf-path", args.input_flag)
+        dst = _one_path("OUTPUT", args.output, "--output-bf16-hf-path", args.output_flag)
+        summary = cast_checkpoint(src, dst, drop_mtp=not args.keep_mtp, **run_kwargs)
+    else:
+        summary = quantize_checkpoint(args.input, args.output, scale_fmt=args.scale_fmt,
+                                      drop_mtp=args.drop_mtp, **run_kwargs)
     for ch in summary.config_changes:
         print(f"config: {ch}")
     print(summary.line())

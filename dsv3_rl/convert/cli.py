@@ -20,7 +20,7 @@ import json
 import sys
 from pathlib import Path
 
-from .config_map import UnsupportedConfigError
+from dsv3_rl.errors import cli_main
 
 
 def _check_model_size(cfg_dir: Path, model_size: str | None) -> None:
@@ -65,6 +65,7 @@ def _mcore_config(args) -> int:
     return 0
 
 
+@cli_main(interrupted="hf-to-mcore restarts, mcore-to-hf keeps finished shards; rerun the same command to resume")
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dsv3_rl.convert", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
@@ -109,32 +110,28 @@ def main(argv: list[str] | None = None) -> int:
         s.set_defaults(fn=fn)
 
     args = ap.parse_args(argv)
-    from .weights import ConvertError, compare_hf, hf_to_mcore, mcore_to_hf
+    from .weights import compare_hf, hf_to_mcore, mcore_to_hf
 
-    try:
-        if args.cmd == "hf-to-mcore":
-            _check_model_size(args.hf_dir, args.model_size)
-            s = hf_to_mcore(args.hf_dir, args.out, keep_mtp=args.keep_mtp, spec=args.spec, dtype=args.dtype,
-                            chunk_mb=args.chunk_mb, file_gb=args.file_gb, force=args.force, progress=not args.no_progress)
-            if s.ranks == 1 or os.environ.get("RANK", "0") == "0":
-                print(s.line(), flush=True)
-        elif args.cmd == "mcore-to-hf":
-            _check_model_size(args.hf_dir or args.mcore_dir / "hf_meta", args.model_size)
-            s = mcore_to_hf(args.mcore_dir, args.out, hf_dir=args.hf_dir, dtype=args.dtype, shard_gb=args.shard_gb,
-                            read_batch_mb=args.read_batch_mb, force=args.force, progress=not args.no_progress)
-            if s.ranks == 1 or os.environ.get("RANK", "0") == "0":
-                print(s.line(), flush=True)
-        elif args.cmd == "compare-hf":
-            diffs = compare_hf(args.a, args.b)
-            for line in diffs[:50]:
-                print(line)
-            print(f"[convert] compare-hf: {'identical' if not diffs else f'{len(diffs)} difference(s)'}: {args.a} vs {args.b}")
-            return 1 if diffs else 0
-        else:
-            return args.fn(args)
-    except (ConvertError, UnsupportedConfigError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    if args.cmd == "hf-to-mcore":
+        _check_model_size(args.hf_dir, args.model_size)
+        s = hf_to_mcore(args.hf_dir, args.out, keep_mtp=args.keep_mtp, spec=args.spec, dtype=args.dtype,
+                        chunk_mb=args.chunk_mb, file_gb=args.file_gb, force=args.force, progress=not args.no_progress)
+        if s.ranks == 1 or os.environ.get("RANK", "0") == "0":
+            print(s.line(), flush=True)
+    elif args.cmd == "mcore-to-hf":
+        _check_model_size(args.hf_dir or args.mcore_dir / "hf_meta", args.model_size)
+        s = mcore_to_hf(args.mcore_dir, args.out, hf_dir=args.hf_dir, dtype=args.dtype, shard_gb=args.shard_gb,
+                        read_batch_mb=args.read_batch_mb, force=args.force, progress=not args.no_progress)
+        if s.ranks == 1 or os.environ.get("RANK", "0") == "0":
+            print(s.line(), flush=True)
+    elif args.cmd == "compare-hf":
+        diffs = compare_hf(args.a, args.b)
+        for line in diffs[:50]:
+            print(line)
+        print(f"[convert] compare-hf: {'identical' if not diffs else f'{len(diffs)} difference(s)'}: {args.a} vs {args.b}")
+        return 1 if diffs else 0
+    else:
+        return args.fn(args)
     return 0
 
 

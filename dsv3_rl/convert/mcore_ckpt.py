@@ -26,9 +26,11 @@ import math
 import queue
 import warnings
 from pathlib import Path
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import torch
+
+from .st_io import CheckpointFormatError
 
 MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.", "mtp.")
 
@@ -198,6 +200,22 @@ def read_metadata(path: Path) -> tuple[dict[str, TensorMeta], list[str]]:
     return tensors, objects
 
 
+def check_data_files(path: Path) -> None:
+    """Every data file the checkpoint's .metadata points into exists and is long enough; raises
+    CheckpointFormatError naming the first missing or truncated one."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    md = FileSystemReader(str(path)).read_metadata()
+    need: dict[str, int] = {}
+    for info in md.storage_data.values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    for f, n in sorted(need.items()):
+        p = Path(path) / f
+        have = p.stat().st_size if p.exists() else 0
+        if have < n:
+            raise CheckpointFormatError(f"{path}: data file {f} is missing or truncated ({have} < {n} bytes)")
+
+
 class Reader:
     """Read chunks of global tensors from one checkpoint, in batches (one DCP load per batch)."""
 
@@ -208,6 +226,7 @@ class Reader:
 
         self.path = Path(path)
         self.tensors, self.objects = read_metadata(self.path)
+        check_data_files(self.path)
         self._reader = CachedMetadataFileSystemReader(str(self.path))
         self.bytes_read = 0
 
@@ -230,6 +249,12 @@ class Reader:
         # A fresh reader per load would re-read .metadata; the cached one is reset by DCP per call.
         with warnings.catch_warnings():  # "torch.distributed is disabled ... single process": intended
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load(state, storage_reader=self._reader, planner=MCoreLoadPlanner(), no_dist=True)
+            try:
+                dcp.load(state, storage_reader=self._reader, planner=MCoreLoadPlanner(), no_dist=True)
+            except (EOFError, RuntimeError, ValueError, OSError) as e:  # DCP wraps a reader's error in its own
+                first = " ".join(str(e).split())[:300]
+                raise CheckpointFormatError(f"{self.path}: cannot read {chunks[0].key}"
+                                            f"{f' (+{len(chunks) - 1} more)' if len(chunks) > 1 else ''}: a data "
+                                            f"file is corrupt ({type(e).__name__}: {first})") from None
         self.bytes_read += sum(b.numel() * b.element_size() for b in bufs)
         return [b if b.dtype == w else b.to(w) for b, w in zip(bufs, want)]

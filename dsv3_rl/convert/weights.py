@@ -33,10 +33,14 @@ from typing import Any
 import torch
 
 from . import mcore_ckpt
+from dsv3_rl.checkpoint.hf_config import ConfigError, check_family, check_tensor_dtypes
+from dsv3_rl.checkpoint.safetensors_io import st_dtype
+from dsv3_rl.errors import Dsv3Error, check_space, describe_oserror
+
 from .config_map import UnsupportedConfigError
 from .mcore_ckpt import Chunk
 from .names import Item, MappingError, Plan, build_plan
-from .st_io import HFReader, read_header, shard_names, write_shard
+from .st_io import CheckpointFormatError, HFReader, read_header, shard_names, write_shard
 
 MANIFEST = "dsv3_convert.json"
 HF_META = "hf_meta"
@@ -51,7 +55,7 @@ def _cast_for(name: str, cast: torch.dtype | None) -> torch.dtype | None:
     return None if cast is None or name.endswith(KEEP_DTYPE) else cast
 
 
-class ConvertError(RuntimeError):
+class ConvertError(Dsv3Error, RuntimeError):
     """Conversion refused or failed; the message names the file/tensor/key and what was expected."""
 
 
@@ -128,7 +132,43 @@ def load_hf_config(hf_dir: Path) -> dict:
     if cfg.get("model_type") != "deepseek_v3" or (archs and archs != ["DeepseekV3ForCausalLM"]):
         raise ConvertError(f"{path}: model_type={cfg.get('model_type')!r}, architectures={archs}: this converter is for "
                            f"DeepSeek-V3 (model_type 'deepseek_v3', DeepseekV3ForCausalLM)")
+    try:
+        check_family(cfg, str(path))
+    except ConfigError as e:
+        raise ConvertError(str(e)) from None
     return cfg
+
+
+def _check_dtypes(dtypes: dict[str, str], where: Path) -> None:
+    try:
+        check_tensor_dtypes(dtypes, str(where))
+    except ConfigError as e:
+        raise ConvertError(str(e)) from None
+
+
+def _preflight(out: Path, need: int, what: str) -> None:
+    """Disk space (and writability) for NEED bytes more at OUT (its .incomplete sibling counts as written)."""
+    work = out.with_name(out.name + INCOMPLETE)
+    done = sum(p.stat().st_size for p in work.rglob("*") if p.is_file()) if work.is_dir() else 0
+    try:
+        check_space(out.parent, max(0, need - done), what)
+    except Dsv3Error as e:
+        raise ConvertError(str(e)) from None
+
+
+def _write_failed(e: BaseException, work: Path, d: Dist) -> ConvertError | None:
+    """A handled write failure (disk full, read-only, torch.save's 'unexpected pos'): remove the partial
+    output and return the error to raise; None for anything else (left as it is: never complete, and a
+    rerun restarts hf->mcore or resumes mcore->hf)."""
+    if isinstance(e, OSError):
+        msg = describe_oserror(e) if e.filename else f"{work}: {describe_oserror(e)}"
+    elif isinstance(e, RuntimeError) and ("unexpected pos" in str(e) or "enforce fail" in str(e)):
+        msg = f"{work}: write failed, disk full? ({' '.join(str(e).split())[:200]})"
+    else:
+        return None
+    if d.rank == 0:
+        shutil.rmtree(work, ignore_errors=True)
+    return ConvertError(f"{msg}; the partial output was removed")
 
 
 def active_params(cfg: dict) -> tuple[float, float]:
@@ -362,6 +402,16 @@ def _hf_to_mcore(hf_dir: Path, out: Path, keep_mtp: bool = False, spec: str = "b
         plan = build_plan(cfg, keep_mtp=keep_mtp, spec=spec)
     except (UnsupportedConfigError, MappingError) as e:
         raise ConvertError(f"{hf_dir / 'config.json'}: {e}") from None
+    reader = HFReader(hf_dir)
+    by_file: dict[Path, dict[str, str]] = {}
+    for n, r in reader.tensors.items():
+        by_file.setdefault(r.path, {})[n] = r.dtype
+    for f, dts in by_file.items():
+        _check_dtypes(dts, f)
+    if force or not (out / MANIFEST).exists():
+        need = sum(math.prod(shape) * (_DTYPES[dtype].itemsize if dtype else reader.tensors[n].torch_dtype.itemsize)
+                   for n, shape in plan.hf_shapes.items() if n in reader.tensors)
+        _preflight(out, need, "the megatron checkpoint")
     work, existing = _prepare_out(out, force, d, "mcore")
     if existing is not None:
         want = {"source": str(hf_dir.resolve()), "keep_mtp": keep_mtp, "spec": spec, "dtype": dtype}
@@ -371,7 +421,6 @@ def _hf_to_mcore(hf_dir: Path, out: Path, keep_mtp: bool = False, spec: str = "b
         verify_mcore(out, plan)
         return Summary("hf->mcore", existing.get("tensors", 0), existing.get("bytes", 0), 0.0, d.world, peak_rss_gb(),
                        str(out), skipped=True, note=f"{existing.get('tensors')} tensors verified against the config")
-    reader = HFReader(hf_dir)
     key_dtype = check_hf(plan, reader)
     cast = _DTYPES[dtype] if dtype else None
     for name, main in plan.mtp_duplicates.items():  # megatron shares these with the main embedding/head
@@ -393,7 +442,13 @@ def _hf_to_mcore(hf_dir: Path, out: Path, keep_mtp: bool = False, spec: str = "b
         bar.update(c.nbytes)
         return t
 
-    mcore_ckpt.save(work, [c for _, c in mine], objects, produce, file_bytes=int(file_gb * (1 << 30)))
+    try:
+        mcore_ckpt.save(work, [c for _, c in mine], objects, produce, file_bytes=int(file_gb * (1 << 30)))
+    except Exception as e:  # disk full / read-only: remove the partial output (a crash leaves it; a rerun restarts)
+        err = _write_failed(e, work, d)
+        if err is not None:
+            raise err from None
+        raise
     bar.close()
     reader.close()
     stats = d.gather((len(mine), sum(c.nbytes for _, c in mine), peak_rss_gb()))
@@ -409,7 +464,7 @@ def _hf_to_mcore(hf_dir: Path, out: Path, keep_mtp: bool = False, spec: str = "b
             "complete": True, "direction": "hf->mcore", "format": "megatron-core torch_dist, global tensors",
             "source": str(hf_dir.resolve()), "keep_mtp": keep_mtp, "spec": spec, "dtype": dtype, "size_tag": size_tag(cfg),
             "tensors": n_tensors, "chunks": len(chunks), "extra_states": len(plan.extra_states), "bytes": total_bytes,
-            "hf_meta_files": aux, "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "hf_meta_files": aux, "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         })
     _finish_out(work, out, d)
     return Summary("hf->mcore", n_tensors, total_bytes, time.perf_counter() - t0, d.world,
@@ -418,8 +473,6 @@ def _hf_to_mcore(hf_dir: Path, out: Path, keep_mtp: bool = False, spec: str = "b
 
 def verify_mcore(path: Path, plan: Plan) -> None:
     """The checkpoint holds every tensor of ``plan`` with its global shape and its data files exist."""
-    from torch.distributed.checkpoint import FileSystemReader
-
     tensors, _ = mcore_ckpt.read_metadata(path)
     for it in plan.items:
         for k in it.keys:
@@ -427,14 +480,10 @@ def verify_mcore(path: Path, plan: Plan) -> None:
                 raise ConvertError(f"{path}: tensor {k!r} missing")
             if tensors[k].shape != it.shape:
                 raise ConvertError(f"{path}: {k} has shape {list(tensors[k].shape)}, expected {list(it.shape)}")
-    md = FileSystemReader(str(path)).read_metadata()
-    need: dict[str, int] = {}
-    for info in md.storage_data.values():
-        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
-    for f, n in need.items():
-        p = path / f
-        if not p.exists() or p.stat().st_size < n:
-            raise ConvertError(f"{path}: data file {f} is missing or truncated ({p.stat().st_size if p.exists() else 0} < {n} bytes)")
+    try:
+        mcore_ckpt.check_data_files(path)
+    except CheckpointFormatError as e:
+        raise ConvertError(str(e)) from None
 
 
 # --------------------------------------------------------------------------- megatron -> HF
@@ -500,7 +549,7 @@ def _complete_shard(path: Path, entries: list[tuple[str, torch.dtype, tuple[int,
         return False
     try:
         hdr = read_header(path)
-    except Exception:
+    except (OSError, ValueError):  # unreadable or malformed: not a complete shard, write it again
         return False
     return list(hdr) == [n for n, _, _ in entries] and all(
         hdr[n].torch_dtype == dt and tuple(hdr[n].shape) == tuple(s) for n, dt, s in entries)
@@ -542,6 +591,9 @@ def _mcore_to_hf(mcore_dir: Path, out: Path, hf_dir: Path | None = None, dtype: 
     files = list(shard_names(len(shards)))
     fingerprint = hashlib.sha256(json.dumps([[n, str(hf_dtype[n]), plan.hf_shapes[n]] for n in hf_names]
                                             + [len(s) for s in shards]).encode()).hexdigest()
+    _check_dtypes({n: st_dtype(dt) for n, dt in hf_dtype.items() if dt is not None}, mcore_dir)
+    if force or not (out / MANIFEST).exists():
+        _preflight(out, sum(sizes.values()), "the HF checkpoint")
     work, existing = _prepare_out(out, force, d, "hf")
     if existing is not None:
         if existing.get("fingerprint") != fingerprint:
@@ -582,7 +634,7 @@ def _mcore_to_hf(mcore_dir: Path, out: Path, hf_dir: Path | None = None, dtype: 
         cache: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
         pos = {n: j for j, n in enumerate(names)}
 
-        def produce(n: str) -> torch.Tensor:
+        def produce(n: str, cache=cache, names=names, pos=pos) -> torch.Tensor:  # called in this iteration only
             c = chunk_for(n)
             if (c.key, c.offset) not in cache:
                 cache.clear()
@@ -604,7 +656,13 @@ def _mcore_to_hf(mcore_dir: Path, out: Path, hf_dir: Path | None = None, dtype: 
             t = t[s.rows[0]:s.rows[1]]
             return t if t.dtype == hf_dtype[n] else t.to(hf_dtype[n])
 
-        write_shard(path, entries, produce, on_tensor=lambda _n, b: bar.update(b))
+        try:
+            write_shard(path, entries, produce, on_tensor=lambda _n, b: bar.update(b))
+        except Exception as e:  # disk full / read-only: remove the partial output (an interrupt keeps it)
+            err = _write_failed(e, work, d)
+            if err is not None:
+                raise err from None
+            raise
         cache = {}
     bar.close()
     stats = d.gather((sum(len(shards[i]) for i in mine), sum(sizes[n] for i in mine for n in shards[i]),
@@ -622,7 +680,7 @@ def _mcore_to_hf(mcore_dir: Path, out: Path, hf_dir: Path | None = None, dtype: 
             "complete": True, "direction": "mcore->hf", "source": str(mcore_dir.resolve()), "fingerprint": fingerprint,
             "tensors": len(hf_names), "bytes": total, "shards": len(files), "hf_meta_files": aux,
             "ignored_checkpoint_keys": len(ignored),
-            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         })
     _finish_out(work, out, d)
     n_resumed = sum(s[3] for s in stats)

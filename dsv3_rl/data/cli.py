@@ -14,6 +14,7 @@ import sys
 
 from dsv3_rl.data import gsm8k, math_lighteval
 from dsv3_rl.data.common import DataPrepError, validate_rl_parquet
+from dsv3_rl.errors import cli_main
 
 COMMANDS = {"math_lighteval": math_lighteval.main, "math": math_lighteval.main, "gsm8k": gsm8k.main}
 
@@ -23,15 +24,12 @@ def _validate(paths: list[str]) -> int:
         print("usage: dsv3-prep-data validate FILE.parquet [...]", file=sys.stderr)
         return 2
     for p in paths:
-        try:
-            n = validate_rl_parquet(p)
-        except DataPrepError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+        n = validate_rl_parquet(p)
         print(f"{p}: {n} rows ok")
     return 0
 
 
+@cli_main(interrupted="the previous outputs are as they were; rerun the same command")
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -41,9 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     if cmd == "validate":
         return _validate(rest)
     if cmd not in COMMANDS:
-        print(f"error: unknown command {cmd!r}; allowed: {', '.join([*COMMANDS, 'validate'])}", file=sys.stderr)
-        return 2
-    return COMMANDS[cmd](rest)
+        raise DataPrepError(f"unknown command {cmd!r}; allowed: {', '.join([*COMMANDS, 'validate'])}")
+    return COMMANDS[cmd].__wrapped__(rest)  # this main's wrapper maps errors; not twice
 
 
 if __name__ == "__main__":

@@ -24,19 +24,21 @@ import argparse
 import hashlib
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from dsv3_rl.errors import Dsv3Error
 
 SPLITS = ("train", "test")
 DEFAULT_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
 EXTRA_INFO_FIELDS = ("split", "index", "level", "type", "question", "solution")
 
 
-class DataPrepError(RuntimeError):
+class DataPrepError(Dsv3Error, RuntimeError):
     """Bad input or options; the message names the file / row / option."""
 
 
@@ -530,15 +532,61 @@ def run(spec: DatasetSpec, args: argparse.Namespace) -> dict:
                 raise DataPrepError(f"hub dataset {name}[{sp}] is empty")
 
     out_dir = Path(args.local_dir).expanduser()
+    if out_dir.exists() and not out_dir.is_dir():
+        raise DataPrepError(f"--local_dir {out_dir} exists and is not a directory")
     records = {sp: convert_split(sp, labelled[sp], spec, args, tokenizer, reports[sp]) for sp in splits}
-    for sp in splits:  # write only once every split converted, so a failure leaves no mix
-        path = out_dir / f"{sp}.parquet"
-        write_records_atomic(path, records[sp], with_prompt_text=bool(args.apply_chat_template))
-        validate_rl_parquet(
-            path, args.data_source or spec.data_source, require_boxed="\\boxed" in (args.instruction or "")
-        )
+    # Every output of the run is written to a staging sibling and swapped in at once (commit_staged):
+    # a failure (bad row, disk full, read-only, interrupt) leaves the previous run as it was, never a mix.
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.staging-", dir=out_dir.parent))
+    try:
+        for sp in splits:
+            path = staging / f"{sp}.parquet"
+            write_records_atomic(path, records[sp], with_prompt_text=bool(args.apply_chat_template))
+            validate_rl_parquet(
+                path, args.data_source or spec.data_source, require_boxed="\\boxed" in (args.instruction or "")
+            )
+        summary = _summary(spec, args, out_dir, inputs, reports, t0)
+        write_text_atomic(staging / SUMMARY, json.dumps(summary, indent=1, default=str) + "\n")
+        commit_staged(staging, out_dir)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    _report(spec, args, out_dir, reports, summary)
+    return summary
 
-    summary = {
+
+SUMMARY = "prep_summary.json"
+#: What one run of data prep writes; a new run replaces all of them (a split it does not write is removed).
+OUTPUTS = tuple(f"{sp}.parquet" for sp in SPLITS) + (SUMMARY,)
+
+
+def commit_staged(staging: Path, out_dir: Path) -> None:
+    """Make STAGING's outputs the contents of OUT_DIR, replacing the previous run's OUTPUTS.
+
+    OUT_DIR absent or holding only OUTPUTS: one directory swap. Otherwise (the user keeps other files
+    there, which are left untouched) the previous outputs are moved aside, then the new ones moved in:
+    renames only, nothing to write, so it cannot run out of space half-way."""
+    old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
+    if not out_dir.exists():
+        os.replace(staging, out_dir)
+        return
+    if all(p.name in OUTPUTS for p in out_dir.iterdir()):
+        os.replace(out_dir, old)
+        os.replace(staging, out_dir)
+        shutil.rmtree(old, ignore_errors=True)
+        return
+    old.mkdir()
+    for name in OUTPUTS:
+        if (out_dir / name).exists():
+            os.replace(out_dir / name, old / name)
+    for p in staging.iterdir():
+        os.replace(p, out_dir / p.name)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _summary(spec, args, out_dir, inputs, reports, t0) -> dict:
+    return {
         "dataset": spec.name,
         "data_source": args.data_source or spec.data_source,
         "output_dir": str(out_dir),
@@ -547,7 +595,9 @@ def run(spec: DatasetSpec, args: argparse.Namespace) -> dict:
         "options": {k: v for k, v in vars(args).items() if k not in ("func",)},
         "seconds": round(time.monotonic() - t0, 2),
     }
-    write_text_atomic(out_dir / "prep_summary.json", json.dumps(summary, indent=1, default=str) + "\n")
+
+
+def _report(spec, args, out_dir, reports, summary) -> None:
     for sp, r in reports.items():
         if r.bad:
             print(
@@ -566,16 +616,12 @@ def run(spec: DatasetSpec, args: argparse.Namespace) -> dict:
             p += f", {r.sampled_out} sampled out"
         parts.append(p + f", {r.written} written")
     print(f"{spec.name}: {'; '.join(parts)} -> {out_dir} in {summary['seconds']:.1f}s")
-    return summary
 
 
 def main_for(spec: DatasetSpec, argv: list[str] | None = None, prog: str | None = None, doc: str | None = None) -> int:
+    """The CLI of one dataset; errors are mapped to one line and exit 2 by the caller's ``@cli_main``."""
     ap = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(ap, spec)
     args = ap.parse_args(argv)
-    try:
-        run(spec, args)
-    except DataPrepError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    run(spec, args)
     return 0

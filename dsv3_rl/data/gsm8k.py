@@ -14,6 +14,7 @@ import re
 import sys
 
 from dsv3_rl.data.common import BadRow, Converted, DatasetSpec, main_for
+from dsv3_rl.errors import cli_main
 
 DATA_SOURCE = "openai/gsm8k"
 _NUMBER = re.compile(r"^-?\d+(?:\.\d+)?$")
@@ -47,6 +48,7 @@ SPEC = DatasetSpec(
 )
 
 
+@cli_main(interrupted='the previous outputs are as they were; rerun the same command')
 def main(argv: list[str] | None = None) -> int:
     return main_for(SPEC, argv, prog="dsv3-prep-data gsm8k", doc=__doc__)
 

@@ -14,6 +14,7 @@ import sys
 
 from dsv3_rl.data.common import BadRow, Converted, DatasetSpec, main_for
 from dsv3_rl.reward.answer import last_boxed_answer
+from dsv3_rl.errors import cli_main
 
 DATA_SOURCE = "DigitalLearningGmbH/MATH-lighteval"  # the name verl's default reward also knows
 
@@ -53,6 +54,7 @@ SPEC = DatasetSpec(
 )
 
 
+@cli_main(interrupted='the previous outputs are as they were; rerun the same command')
 def main(argv: list[str] | None = None) -> int:
     return main_for(SPEC, argv, prog="dsv3-prep-data math_lighteval", doc=__doc__)
 

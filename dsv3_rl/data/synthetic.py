@@ -21,6 +21,7 @@ import argparse
 import random
 import sys
 from pathlib import Path
+from dsv3_rl.errors import cli_main
 
 TEMPLATES = (
     "What is ${d}$ plus zero?",
@@ -76,6 +77,7 @@ def write(out_dir: str | Path, seed: int = 0) -> Path:
     return Path(out_dir)
 
 
+@cli_main(interrupted='the previous outputs are as they were; rerun the same command')
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dsv3_rl.data.synthetic", description=__doc__.split("\n\n")[0])
     ap.add_argument("out", help="directory to write (MATH-lighteval layout: OUT/data/*.parquet)")

@@ -25,6 +25,7 @@ import sys
 import time
 from pathlib import Path
 
+from dsv3_rl.errors import cli_main
 from dsv3_rl.launch.presets import PresetError, list_presets, load_preset
 
 COMMANDS = ("run", "check", "list", "show", "check-all", "dlc", "slurm", "platform")
@@ -48,7 +49,28 @@ def _run_parser() -> argparse.ArgumentParser:
     p.add_argument("--join-timeout", type=float, default=float(os.environ.get("RAY_JOIN_TIMEOUT", 1800)),
                    help="multi-node: seconds for all nodes to join Ray (default 1800, $RAY_JOIN_TIMEOUT)")
     p.add_argument("--quiet", action="store_true", help="summary only, not the full command")
+    p.add_argument("--force-stage", action="append", default=[], metavar="STAGE",
+                   help="rerun this stage even if its output verifies, passing the tool its own --force/--overwrite "
+                        "(repeatable; stages: weights, fp8_cast, hf_config, convert, data)")
     return p
+
+
+def refuse_repeated_overrides(overrides: list[str]) -> None:
+    """The same override key twice (``a.b=1 a.b=2``) is refused, naming the key: Hydra would take the last."""
+    seen: dict[str, str] = {}
+    for o in overrides:
+        key = o.split("=", 1)[0].lstrip("+~")
+        if key in seen:
+            raise PresetError(f"override {key!r} is given twice ({seen[key]!r} and {o!r}); give it once")
+        seen[key] = o
+
+
+def _force_stages(launch, names: list[str]) -> None:
+    by_name = {st.name: st for st in launch.stages}
+    for n in names:
+        if n not in by_name:
+            raise PresetError(f"--force-stage {n!r}: no such stage in this run (stages: {', '.join(by_name)})")
+        by_name[n].force()
 
 
 def _print_launch(launch, *, out=None, full: bool = True) -> None:
@@ -106,13 +128,8 @@ def _print_launch(launch, *, out=None, full: bool = True) -> None:
 
 def _resolve_or_die(preset: str, overrides: list[str], *, allow_missing: bool = False):
     from dsv3_rl.launch.run import resolve
-    from dsv3_rl.launch.verl_config import VerlConfigError
 
-    try:
-        launch = resolve(preset, overrides)
-    except (PresetError, VerlConfigError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+    launch = resolve(preset, overrides)  # PresetError / VerlConfigError: one line, exit 2 (cli_main)
     if allow_missing:
         from dsv3_rl.launch.checks import Finding
 
@@ -130,8 +147,10 @@ def cmd_run(argv: list[str]) -> int:
     if not args.preset:
         print(f"error: no preset: pass --preset NAME or set PRESET (presets: {', '.join(list_presets())})", file=sys.stderr)
         return 2
+    refuse_repeated_overrides(rest)
     t0 = time.monotonic()
     launch = _resolve_or_die(args.preset, rest, allow_missing=args.allow_missing and args.dry_run)
+    _force_stages(launch, args.force_stage)
     _print_launch(launch, full=not args.quiet)
     n_err = len(launch.errors)
     n_warn = sum(f.level == "warning" for f in launch.findings)
@@ -157,11 +176,7 @@ def execute(launch, *, stages_only: bool = False, skip_stages: bool = False, joi
     # (Ray >= 2.5x enables it by default, but a token made on one node is unknown to the others).
     if "RAY_AUTH_MODE" not in env:
         env["RAY_AUTH_MODE"] = "token" if env.get("RAY_AUTH_TOKEN") else "disabled"
-    try:
-        info = platform.parse(env)
-    except platform.PlatformError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    info = platform.parse(env)
     nnodes = launch.sizes.nnodes
     print(f"platform   {info.describe()}")
     if info.nnodes != nnodes:
@@ -314,13 +329,8 @@ def cmd_show(argv: list[str]) -> int:
 
 def _resolve_or_die_novalidate(preset, overrides):
     from dsv3_rl.launch.run import resolve
-    from dsv3_rl.launch.verl_config import VerlConfigError
 
-    try:
-        return resolve(preset, overrides, validate=False)
-    except (PresetError, VerlConfigError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+    return resolve(preset, overrides, validate=False)
 
 
 def cmd_check_all(argv: list[str]) -> int:
@@ -359,11 +369,7 @@ def cmd_dlc(argv: list[str]) -> int:
     args, rest = p.parse_known_args(argv)
     if not args.preset:
         p.error("--preset (or $PRESET) is required")
-    try:
-        preset = load_preset(args.preset)
-    except PresetError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    preset = load_preset(args.preset)
     spec = dlc_spec(preset, dict(os.environ), rest, image=args.image, workspace_id=args.workspace_id,
                     resource_id=args.resource_id, data_sources=args.data_sources, code_dir=args.code_dir, name=args.name)
     text = spec.render(args.format)
@@ -388,22 +394,14 @@ def cmd_slurm(argv: list[str]) -> int:
     args, rest = p.parse_known_args(argv)
     if not args.preset:
         p.error("--preset (or $PRESET) is required")
-    try:
-        print(sbatch_command(load_preset(args.preset), rest))
-    except PresetError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    print(sbatch_command(load_preset(args.preset), rest))
     return 0
 
 
 def cmd_platform(argv: list[str]) -> int:
     from dsv3_rl.launch import platform
 
-    try:
-        print(platform.parse(dict(os.environ)).describe())
-    except platform.PlatformError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    print(platform.parse(dict(os.environ)).describe())
     return 0
 
 
@@ -425,6 +423,7 @@ def quiet_known_warnings() -> None:
     logging.getLogger("verl").setLevel(logging.WARNING)
 
 
+@cli_main(interrupted='Ray nodes started by this run are stopped; finished stages are kept, rerun to resume')
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("-h", "--help"):
@@ -438,11 +437,7 @@ def main(argv: list[str] | None = None) -> int:
     fn = {"run": cmd_run, "check": cmd_check, "list": cmd_list, "show": cmd_show, "check-all": cmd_check_all, "dlc": cmd_dlc,
           "slurm": cmd_slurm, "platform": cmd_platform}[cmd]
     quiet_known_warnings()
-    try:
-        return fn(argv)
-    except PresetError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return fn(argv)  # PresetError and the other Dsv3Errors: one line, exit 2 (cli_main)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
+from dsv3_rl.errors import Dsv3Error
 
 FP8_MANIFEST = ".dsv3-convert-manifest.json"
 CONVERT_MANIFEST = "dsv3_convert.json"  # dsv3_rl.convert.weights.MANIFEST
@@ -46,6 +47,18 @@ class Stage:
     error: str | None = None
     """set when the stage cannot run (missing input, missing tool): the message says what to do"""
     ran: bool = False
+    force_flag: str | None = None
+    """the tool's own flag to replace a previous output (``--overwrite``, ``--force``), added when forced"""
+    forced: bool = False
+
+    def force(self) -> None:
+        """Rerun even when the output verifies (``dsv3-launch --force-stage NAME``)."""
+        self.forced = True
+
+    @property
+    def run_argv(self) -> list[str]:
+        """The command run: ``argv`` plus the tool's force flag when forced (the marker records ``argv``)."""
+        return self.argv + ([self.force_flag] if self.forced and self.force_flag else [])
 
     @property
     def marker(self) -> Path | None:
@@ -66,6 +79,8 @@ class Stage:
             return "skip", self.why
         if self.error:
             return "error", self.error
+        if self.forced:
+            return "run", "forced (--force-stage)"
         missing = [str(p) for p in self.outputs if not Path(p).exists()]
         if missing:
             return "run", f"output missing: {missing[0]}"
@@ -96,11 +111,11 @@ class Stage:
             return
         if st == "error":
             raise StageError(f"stage {self.name}: {detail}")
-        log(f"[stage {self.name}] running ({detail}): {' '.join(self.argv)}")
+        log(f"[stage {self.name}] running ({detail}): {' '.join(self.run_argv)}")
         t0 = time.monotonic()
-        rc = subprocess.call(self.argv, env=env)
+        rc = subprocess.call(self.run_argv, env=env)
         if rc != 0:
-            raise StageError(f"stage {self.name} failed with exit status {rc}: {' '.join(self.argv)}")
+            raise StageError(f"stage {self.name} failed with exit status {rc}: {' '.join(self.run_argv)}")
         if self.verify is not None:
             ok, detail = self.verify()
             if not ok:
@@ -119,7 +134,7 @@ class Stage:
         log(f"[stage {self.name}] done in {time.monotonic() - t0:.1f}s")
 
 
-class StageError(RuntimeError):
+class StageError(Dsv3Error, RuntimeError):
     pass
 
 
@@ -145,15 +160,6 @@ def is_fp8(model_dir: Path, preset_cfg: dict) -> bool:
         cfg = preset_cfg
     q = cfg.get("quantization_config") or {}
     return q.get("quant_method") == "fp8"
-
-
-def module_available(name: str) -> bool:
-    import importlib.util
-
-    try:
-        return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):
-        return False
 
 
 def build_stages(preset, paths, *, max_prompt_length: int | None, model_cfg: dict) -> list[Stage]:
@@ -187,7 +193,7 @@ def build_stages(preset, paths, *, max_prompt_length: int | None, model_cfg: dic
     st = Stage("fp8_cast", needed=fp8 and hf_dir != model_dir,
                why="checkpoint is BF16 already" if not fp8 else "HF_PATH is MODEL_PATH",
                argv=_py("dsv3_rl.checkpoint.fp8", "cast", str(model_dir), str(hf_dir)),
-               out_dir=None, outputs=[hf_dir / "config.json"], inputs=[model_dir / "config.json"])
+               out_dir=None, outputs=[hf_dir / "config.json"], inputs=[model_dir / "config.json"], force_flag="--overwrite")
 
     def verify_cast(out=hf_dir, src=model_dir):
         try:
@@ -215,12 +221,8 @@ def build_stages(preset, paths, *, max_prompt_length: int | None, model_cfg: dic
         """``hf_config --check`` (in-process: the same function the CLI calls)."""
         if not (d / "config.json").is_file():
             return False, f"{d / 'config.json'} missing"
-        try:
-            from dsv3_rl.checkpoint.hf_config import ConfigError, fix_checkpoint_config
-        except ImportError:
-            r = subprocess.run(_py("dsv3_rl.checkpoint.hf_config", str(d), "--check"), capture_output=True, text=True)
-            lines = (r.stdout + r.stderr).strip().splitlines()
-            return r.returncode == 0, "; ".join(lines[-3:]) or f"hf_config --check exit {r.returncode}"
+        from dsv3_rl.checkpoint.hf_config import ConfigError, fix_checkpoint_config
+
         try:
             changes = fix_checkpoint_config(d, dry_run=True)
         except ConfigError as e:
@@ -237,7 +239,8 @@ def build_stages(preset, paths, *, max_prompt_length: int | None, model_cfg: dic
     st = Stage("convert", needed=bool(w.get("dist_ckpt")),
                why="weights.dist_ckpt is false: verl loads the HF weights itself",
                argv=convert_argv(hf_dir, mcore, int(os.environ.get("CONVERT_NPROC", "1") or 1)), out_dir=mcore, outputs=[mcore],
-               inputs=[hf_dir / "config.json", hf_dir / "model.safetensors.index.json", hf_dir / "model.safetensors"])
+               inputs=[hf_dir / "config.json", hf_dir / "model.safetensors.index.json", hf_dir / "model.safetensors"],
+               force_flag="--force")
 
     def verify_mcore(out=mcore, src=hf_dir):
         try:
@@ -251,11 +254,6 @@ def build_stages(preset, paths, *, max_prompt_length: int | None, model_cfg: dic
         return True, f"{CONVERT_MANIFEST} complete, from {src.name}"
 
     st.verify = verify_mcore
-    if st.needed and not module_available("dsv3_rl.convert.__main__"):
-        ok, _ = verify_mcore()
-        if not ok:
-            st.error = ("the HF->mcore converter CLI (python -m dsv3_rl.convert) is not in this checkout yet; set "
-                        "weights.dist_ckpt: false (verl loads the HF weights) or MCORE_PATH to an existing conversion")
     stages.append(st)
 
     # data -----------------------------------------------------------------------------------------
@@ -270,14 +268,27 @@ def build_stages(preset, paths, *, max_prompt_length: int | None, model_cfg: dic
     raw_files = sorted(raw.rglob("*.parquet")) if raw.is_dir() else []
     st = Stage("data", needed=True, why="", argv=argv, out_dir=out,
                outputs=[out / "train.parquet", out / "test.parquet", out / "prep_summary.json"], inputs=raw_files)
+    st.verify = lambda out=out: verify_data(out)
     if not raw.is_dir():
         st.error = f"DATA_RAW={raw} does not exist (or set DATA_RAW). {_download_hint(d['dataset'], raw)}"
         if all(p.exists() for p in st.outputs):
             st.error = None
-            st.verify = lambda: (True, "prepared data present (DATA_RAW absent: not re-verified)")
-            st.out_dir = None
+            st.out_dir = None  # no marker to compare inputs with: the files themselves are validated
     stages.append(st)
     return stages
+
+
+def verify_data(out: Path) -> tuple[bool, str]:
+    """``dsv3-prep-data validate`` on the prepared splits (in-process: the function the CLI calls)."""
+    from dsv3_rl.data.common import DataPrepError, validate_rl_parquet
+
+    rows = {}
+    for sp in ("train", "test"):
+        try:
+            rows[sp] = validate_rl_parquet(out / f"{sp}.parquet")
+        except DataPrepError as e:
+            return False, f"prepared data does not validate: {e}"
+    return True, f"train/test parquet validate ({rows['train']}/{rows['test']} rows)"
 
 
 def dataset_spec(dataset: str):

@@ -28,6 +28,7 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
 from dsv3_rl.reward.answer import _INT, _match_braced, gsm8k_hash_answer, last_boxed_answer, normalize_answer
+from dsv3_rl.errors import cli_main
 
 
 def replace_last_boxed(solution: str, new_answer: str) -> str:
@@ -211,6 +212,7 @@ def load_rows(path: str | Path) -> list[tuple[str, str, str]]:
     return rows
 
 
+@cli_main
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="dsv3-reward-check", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -222,6 +224,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, help="write the full report (rates + misses) here")
     ap.add_argument("--strict", action="store_true", help="exit 1 unless reference=100%% and shifted=0%%")
     args = ap.parse_args(argv)
+    if args.limit < 0:
+        ap.error(f"--limit {args.limit}: expected a number of rows >= 0 (0 = all)")
+    if args.timeout <= 0:
+        ap.error(f"--timeout {args.timeout}: expected seconds > 0")
 
     from dsv3_rl.reward.math_reward import score_answer
 

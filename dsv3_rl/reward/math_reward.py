@@ -194,6 +194,7 @@ def score_answer(
     gsm8k_last_number: bool = False,
 ) -> dict:
     """Score one response; see :func:`compute_score`. Adds ``how`` (the deciding step)."""
+    _check_format_score(format_score)
     text = _as_text(solution_str)
     pred = extract_answer(text, kind, gsm8k_last_number=gsm8k_last_number)
     if pred is None:
@@ -211,6 +212,15 @@ def score_answer(
             break
     score = 1.0 if correct else float(format_score)
     return {"score": score, "acc": 1.0 if correct else 0.0, "pred": pred[:PRED_REPORT_CHARS], "how": how}
+
+
+def _check_format_score(format_score) -> None:
+    """A wrong answer may earn a format score in [0, 1): never as much as a right one (1.0), never less than
+    no answer (0.0)."""
+    if not (isinstance(format_score, int | float) and not isinstance(format_score, bool)
+            and 0.0 <= format_score < 1.0):
+        raise ValueError(f"math_reward: format_score must be in [0, 1) (a wrong answer scores below a right one, "
+                         f"1.0), got {format_score!r}")
 
 
 def compute_score(
@@ -246,6 +256,7 @@ def compute_score(
         )
     if not (isinstance(timeout, int | float) and math.isfinite(timeout) and timeout > 0):
         raise ValueError(f"math_reward.compute_score: timeout must be a positive number of seconds, got {timeout!r}")
+    _check_format_score(format_score)
     kind = dataset_kind(_as_text(data_source))
     try:
         res = score_answer(

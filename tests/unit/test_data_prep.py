@@ -542,8 +542,7 @@ def test_failed_run_leaves_previous_output_intact(tmp_path, monkeypatch):
         raise OSError("disk full (simulated)")
 
     monkeypatch.setattr(pq, "write_table", boom)
-    with pytest.raises(OSError, match="disk full"):
-        math_lighteval.main(["--input_dir", str(MATH_MINI), "--local_dir", str(out), "--train_size", "5"])
+    assert math_lighteval.main(["--input_dir", str(MATH_MINI), "--local_dir", str(out), "--train_size", "5"]) == 2
     assert (out / "train.parquet").read_bytes() == before
     assert sorted(p.name for p in out.iterdir()) == ["prep_summary.json", "test.parquet", "train.parquet"]
 

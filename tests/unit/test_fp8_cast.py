@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from dsv3_rl import errors
 from dsv3_rl.checkpoint import fp8
 from dsv3_rl.checkpoint.fp8 import CheckpointError, cast_checkpoint, quantize_checkpoint
 from dsv3_rl.checkpoint.fp8_kernels import dequant_reference
@@ -293,8 +294,8 @@ def test_output_dir_is_the_input_dir(src_copy, tmp_path):
 
 
 def test_not_enough_disk_space(src, tmp_path, monkeypatch):
-    monkeypatch.setattr(fp8, "_free_bytes", lambda path: 5_000_000)
-    expect_error(src, tmp_path / "o", r"not enough disk space for .*: need \d+\.\d+ GB \(2 shards to write\), "
+    monkeypatch.setattr(errors, "free_bytes", lambda path: 5_000_000)
+    expect_error(src, tmp_path / "o", r"not enough disk space for 2 shards to write: need \d+\.\d+ GB, "
                                       r"0\.01 GB free")
     cast_checkpoint(src, tmp_path / "o", skip_space_check=True, **QUIET)
 
@@ -303,7 +304,7 @@ def test_output_dir_with_foreign_files(src, tmp_path):
     out = tmp_path / "o"
     out.mkdir()
     (out / "model.safetensors").write_bytes(b"someone else's")
-    with pytest.raises(CheckpointError, match="already has \\*.safetensors but no .*--overwrite"):
+    with pytest.raises(CheckpointError, match="is not empty .*'model.safetensors'.* not an output of this tool"):
         cast_checkpoint(src, out, **QUIET)
 
 

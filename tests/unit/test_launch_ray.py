@@ -191,9 +191,8 @@ def test_head_times_out_naming_how_many_nodes_joined(short_tmp):
         L.teardown()
 
 
+@pytest.mark.timeout(120)  # a worker that never gives up hangs: pytest-timeout fails it (no wall-clock assert)
 def test_worker_gives_up_when_no_head_appears(tmp_path):
     spec = ray_cluster.RayNodeSpec(head=False, port=ray_cluster.free_port(), head_addr="127.0.0.1")
-    t0 = time.monotonic()
     with pytest.raises(ray_cluster.RayClusterError, match=r"ray head: nothing listens on 127\.0\.0\.1:\d+ after 3s"):
         ray_cluster.run_worker(spec, _env(tmp_path), ray_cluster.Timeouts(join=3, poll=0.5), log=lambda *_: None)
-    assert time.monotonic() - t0 < 30
