@@ -7,6 +7,7 @@
 #   bash scripts/gpu_session.sh correctness  # 1 GPU: fast-path GPU tests, correctness tp1 fp32, planted faults, bf16 proxy
 #   bash scripts/gpu_session.sh memory       # 1 GPU: planner vs measured peak memory (gpu + gpu-act sets, ~1 min)
 #   bash scripts/gpu_session.sh two-gpu      # 2 GPUs: correctness layouts over NCCL, faults, planner memory, TP2/EP2 bench
+#   bash scripts/gpu_session.sh refit        # 1 GPU: refit export bench (BF16, checksum manifest, FP8 + quantize kernel)
 #
 # Each step has its own time limit; a failing step is reported and the next one still runs.
 # Ends with one line per step: name, status, seconds.
@@ -65,6 +66,10 @@ case "${1:-}" in
     step planner_mem 150 python bench/measure_train_memory.py --out "$OUT/measured_gpu.jsonl"
     step bench_2gpu 130 torchrun --nproc-per-node 2 bench/bench_train_step.py --layouts tp2,ep2 --json "$OUT/bench-2gpu.json"
     ;;
-  *) echo "usage: $0 fastpath|correctness|memory|two-gpu" >&2; exit 2 ;;
+  refit)
+    # verl is imported from backends/verl-*/verl without Ray (dsv3_rl/refit/verl_export.py); no TE, no vLLM
+    step refit_bench 420 python bench/bench_refit.py --fp8 --manifest --json "$OUT/refit.json"
+    ;;
+  *) echo "usage: $0 fastpath|correctness|memory|two-gpu|refit" >&2; exit 2 ;;
 esac
 echo "=== summary"; printf '%s\n' "${SUMMARY[@]}"

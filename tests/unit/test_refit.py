@@ -1,0 +1,324 @@
+"""Refit export bench (bench/bench_refit.py), verl's bucketing (dsv3_rl.refit.buckets) and the checksum
+manifest (dsv3_rl.refit.manifest), on CPU. See docs/refit.md."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dsv3_rl.refit.buckets import fill_buckets
+from dsv3_rl.refit.manifest import Manifest, ManifestMismatch, digest
+
+REPO = Path(__file__).resolve().parents[2]
+BENCH = REPO / "bench" / "bench_refit.py"
+
+# What the GPU box lacks: the bench must run with these unimportable (and verl's __init__ pulls in Ray).
+_BLOCKED = ("ray", "vllm", "transformer_engine", "tensordict", "omegaconf", "zmq", "uvicorn", "fastapi")
+_RUN_BLOCKED = f"""
+import runpy, sys
+for name in {_BLOCKED!r}:  # as if not installed: import raises ModuleNotFoundError, find_spec returns None
+    sys.modules[name] = None
+sys.argv = [{str(BENCH)!r}] + sys.argv[1:]
+runpy.run_path({str(BENCH)!r}, run_name="__main__")
+"""
+
+
+def _tiny_hf_tensors(overrides: dict | None = None) -> dict[str, tuple[tuple[int, ...], str]]:
+    """HF checkpoint names, shapes and kinds of the tiny preset (what mini_model writes and the HF loaders read)."""
+    from dsv3_rl.models.mini_model import tensor_specs
+    from dsv3_rl.models.presets import preset_kwargs
+
+    return {s.name: (tuple(s.shape), s.kind) for s in tensor_specs(preset_kwargs("tiny", overrides))}
+
+
+def _run_bench(tmp_path, *extra: str) -> subprocess.CompletedProcess:
+    from dsv3_rl.launch.run import TE_ATTENTION_ENV
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT", *TE_ATTENTION_ENV)}
+    env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+    return subprocess.run([sys.executable, "-c", _RUN_BLOCKED, "--device", "cpu", "--preset", "tiny", *extra],
+                          capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
+
+
+def test_bench_cpu_smoke_without_ray(tmp_path):
+    """The bench runs with Ray, vLLM, TE, tensordict, omegaconf and zmq unimportable (the GPU box), prints
+    its line and writes the JSON; the export produced exactly transformers' tensor names for the model."""
+    out = tmp_path / "refit.json"
+    r = _run_bench(tmp_path, "--iters", "1", "--manifest", "--fp8", "--json", str(out))
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    lines = [x for x in r.stdout.splitlines() if x.startswith("refit bench: ")]
+    assert len(lines) == 1, r.stdout[-2000:]
+    assert re.search(r"= [\d.]+ GB/s, [\d.]+x copy [\d.]+ GB/s; peak extra n/a \(CPU\); with manifest [\d.]+ GB/s; "
+                     r"fp8 export [\d.]+ GB/s out, DeepSeek FP8 layout, quantize kernel [\d.]+ GB/s = [\d.]+x copy$", lines[0]), lines[0]
+    res = json.loads(out.read_text())
+    assert {"device", "preset", "params", "bucket_bytes", "copy_GBps", "export", "export_manifest", "export_fp8",
+            "fp8_kernel", "verl_light_import"} <= set(res)
+    assert res["verl_light_import"] is True
+    for key in ("seconds", "tensors", "bytes", "buckets", "GBps", "peak_extra_bytes", "ratio_to_copy"):
+        assert key in res["export"], key
+    hf = _tiny_hf_tensors()
+    assert res["export"]["tensors"] == len(hf)
+    total = sum(torch.Size(s).numel() for s, _k in hf.values())
+    # BF16 except the router's score-correction bias and (megatron's local spec) the norms, kept in FP32
+    fp32 = sum(torch.Size(s).numel() for s, k in hf.values() if k in ("bias", "norm"))
+    assert res["export"]["elements_by_dtype"] == {"bfloat16": total - fp32, "float32": fp32}
+    assert res["export"]["bytes"] == sum(res["export"]["bytes_by_dtype"].values())
+    assert res["export_manifest"]["tensors"] == len(hf)
+    # verl's FP8 quantizer over the real export: DeepSeek's release layout (tests/unit/test_refit_fp8.py)
+    assert res["export_fp8"]["fp8_layout_differences"] == 0, res["export_fp8"]["fp8_layout_first_differences"]
+    assert res["export_fp8"]["tensors"] == len(hf) + sum(k == "linear" for _s, k in hf.values())
+
+
+def test_bench_bad_input_is_one_error_line(tmp_path):
+    r = _run_bench(tmp_path, "--set", "no_such_key=1")
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("error: --preset/--set: override 'no_such_key'"), r.stderr
+
+
+# ------------------------------------------------------------------------------------- bucketing
+
+
+def _stream(n: int = 14, seed: int = 0) -> list[tuple[str, torch.Tensor]]:
+    """Mixed dtypes and odd sizes, so that alignment and bucket boundaries matter."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        dtype = (torch.bfloat16, torch.float32, torch.float8_e4m3fn)[i % 3]
+        t = torch.randn(301 + 97 * i, 67, generator=g).to(dtype)
+        out.append((f"model.layers.{i}.w", t))
+    return out
+
+
+def _verl_buckets(stream, bucket_mb: int) -> list[list[tuple[str, int]]]:
+    """verl's own BucketedWeightSender, with a stand-in for its zmq socket: (name, offset) per bucket."""
+    from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import BucketedWeightSender
+
+    class Socket:
+        def __init__(self):
+            self.sent = []
+
+        def send_pyobj(self, obj):
+            self.sent.append(obj)
+
+        def recv(self):
+            return b""
+
+        def close(self):
+            pass
+
+    sender = BucketedWeightSender("ipc:///tmp/dsv3-refit-test-unused.sock", bucket_size_mb=bucket_mb, use_shm=True)
+    sock = Socket()
+    sender._init_socket = lambda: setattr(sender, "socket", sock)
+    sender._init_buffer = lambda: setattr(sender, "buffer", torch.empty(sender.bucket_size, dtype=torch.uint8))
+    asyncio.run(sender.async_send_weights(iter(stream)))
+    return [[(n, m["offset"]) for n, m in msg["bucket_meta"].items()] for msg in sock.sent]
+
+
+def _our_buckets(stream, bucket_bytes: int) -> list[list[tuple[str, int]]]:
+    got = []
+    fill_buckets(stream, torch.empty(bucket_bytes, dtype=torch.uint8),
+                 lambda b, _buf: got.append([(n, o) for n, _s, _d, o in b.items]))
+    return got
+
+
+@pytest.fixture
+def verl_cpu(monkeypatch):
+    """verl's CPU platform for this test only (a process-wide singleton, as in test_verl_cpu_weight_sync.py)."""
+    from verl.plugin.platform import platform_manager as pm
+    from verl.plugin.platform.platform_cpu import PlatformCPU
+
+    monkeypatch.setenv("VERL_PLATFORM", "cpu")
+    monkeypatch.setattr(pm, "_current_platform", PlatformCPU())
+
+
+def test_buckets_match_verl_sender(verl_cpu):
+    stream = _stream()
+    theirs = _verl_buckets(stream, 1)
+    assert len(theirs) >= 3
+    assert _our_buckets(stream, 1 << 20) == theirs
+
+
+def test_buckets_comparison_bites(verl_cpu):
+    """Planted faults: a packer without verl's alignment, or with a smaller bucket, and the comparison sees it."""
+    stream = _stream()
+    theirs = _verl_buckets(stream, 1)
+    assert _our_buckets(stream, 3 << 18) != theirs
+    unaligned = [(n, t.view(torch.uint8).reshape(-1)) for n, t in stream]  # every tensor 1-byte aligned
+    assert [[n for n, _ in b] for b in _our_buckets(unaligned, 1 << 20)] == [[n for n, _ in b] for b in theirs]
+    assert _our_buckets(unaligned, 1 << 20) != theirs  # same cuts, different offsets: caught
+
+
+# --------------------------------------------------------------------------------------- manifest
+
+
+WIDER = {"hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 128}  # ~8 MB: several 1 MiB buckets
+
+
+def _hf_stream(seed: int = 0, overrides: dict | None = None) -> list[tuple[str, torch.Tensor]]:
+    """The tiny model's HF names and shapes, random BF16 values."""
+    g = torch.Generator().manual_seed(seed)
+    return [(n, torch.randn(s, generator=g).to(torch.bfloat16)) for n, (s, _k) in _tiny_hf_tensors(overrides).items()]
+
+
+def _refit(stream, bucket_bytes: int, manifest: Manifest, receive=None) -> int:
+    """Trainer: tap the manifest while bucketing; receiver: check every tensor of every bucket."""
+    checked = []
+
+    def on_bucket(bucket, buf):
+        pairs = receive(bucket, buf) if receive else bucket.tensors(buf)
+        for name, t in pairs:
+            manifest.check(name, t)
+            checked.append(name)
+
+    fill_buckets(manifest.tap(stream), torch.empty(bucket_bytes, dtype=torch.uint8), on_bucket)
+    return len(checked)
+
+
+def test_manifest_clean_refit_passes():
+    stream = _hf_stream()
+    m = Manifest()
+    assert _refit(stream, 64 << 10, m) == len(stream)
+    assert Manifest.from_json(m.to_json()).verify(stream) == len(stream)
+
+
+def test_manifest_catches_swapped_experts():
+    """Planted fault: routed experts 0 and 1 of the first MoE layer trade weights on the way."""
+    stream = _hf_stream()
+    a, b = "model.layers.1.mlp.experts.0.gate_proj.weight", "model.layers.1.mlp.experts.1.gate_proj.weight"
+    m = Manifest()
+    list(m.tap(stream))
+    swapped = dict(stream)
+    swapped[a], swapped[b] = swapped[b], swapped[a]
+    with pytest.raises(ManifestMismatch, match=re.escape(repr(a)) + ".*digest"):
+        m.verify(swapped.items())
+
+
+def test_manifest_catches_stale_bucket():
+    """Planted fault: after an update, the receiver reads bucket 1 as it was at the previous refit."""
+    bucket_bytes = 64 << 10
+    old = _hf_stream(seed=0)
+    kept = {}
+    _refit(old, bucket_bytes, Manifest(),
+           receive=lambda b, buf: kept.setdefault(b.index, [(n, t.clone()) for n, t in b.tensors(buf)]))
+    new = _hf_stream(seed=1)
+    stale_names = [n for n, _ in kept[1]]
+    with pytest.raises(ManifestMismatch, match=re.escape(repr(stale_names[0])) + ".*digest"):
+        _refit(new, bucket_bytes, Manifest(), receive=lambda b, buf: kept[1] if b.index == 1 else b.tensors(buf))
+
+
+def test_manifest_catches_missing_extra_and_shape():
+    stream = _hf_stream()
+    m = Manifest()
+    list(m.tap(stream))
+    with pytest.raises(ManifestMismatch, match="sent but not received, first 'model.embed_tokens.weight'"):
+        m.verify(stream[1:])
+    with pytest.raises(ManifestMismatch, match="'model.layers.9.x' is not in the trainer's manifest"):
+        m.verify(stream + [("model.layers.9.x", torch.zeros(2))])
+    name, t = stream[0]
+    with pytest.raises(ManifestMismatch, match=re.escape(repr(name)) + " differs from what the trainer sent: shape"):
+        m.check(name, t.reshape(-1))
+
+
+def test_digest_is_position_sensitive_and_value_deterministic():
+    x = torch.randn(64, 64).to(torch.bfloat16)
+    assert digest(x) == digest(x.clone()) == digest(x.t().contiguous().t())  # same bytes in the same order
+    assert digest(x) != digest(x.t().contiguous())  # same values, transposed
+    y = x.clone()
+    y.view(torch.int16)[3, 5] ^= 1  # one bit
+    assert digest(x) != digest(y)
+    big = torch.randn(3 << 20).to(torch.bfloat16)  # more than one chunk: chunks swapped must differ
+    swapped = torch.cat([big[1 << 21:], big[: 1 << 21]])
+    assert digest(big) != digest(swapped)
+    assert digest(torch.ones(3, dtype=torch.uint8)) != digest(torch.ones(4, dtype=torch.uint8)[:3].clone() * 2)
+
+
+# ------------------------------------------- the manifest inside verl's weight sync (verl patch 0031)
+
+
+def _sync(stream, bucket_mb: int, on_bucket) -> BaseException | None:
+    """verl's BucketedWeightSender -> BucketedWeightReceiver over a real zmq socket and shared memory (the CPU
+    demo's path), the receiver in a thread calling ON_BUCKET(index, weights) as vLLM's loader. Returns what the
+    receiver raised."""
+    import threading
+    import uuid
+
+    from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import (
+        BucketedWeightReceiver,
+        BucketedWeightSender,
+    )
+
+    handle = f"ipc:///tmp/dsv3-refit-test-{uuid.uuid4().hex[:12]}.sock"
+    sender = BucketedWeightSender(handle, bucket_size_mb=bucket_mb, use_shm=True)
+    receiver = BucketedWeightReceiver(handle, torch.device("cpu"), use_shm=True)
+    index = [0]
+    error: list[BaseException] = []
+
+    def load(weights, _is_last):
+        on_bucket(index[0], weights)
+        index[0] += 1
+
+    def receive():
+        try:
+            receiver.receive_weights(on_bucket_received=load)
+        except BaseException as e:  # noqa: BLE001 (whatever the receiver thread raises is the test's result)
+            error.append(e)
+
+    t = threading.Thread(target=receive)
+    t.start()
+    asyncio.run(sender.async_send_weights(iter(stream)))
+    t.join(timeout=120)
+    assert not t.is_alive(), "receiver hung"
+    return error[0] if error else None
+
+
+def test_weight_sync_manifest_clean_passes(verl_cpu):
+    stream = _hf_stream()
+    loaded = {}
+    err = _sync(stream, 1, lambda _i, ws: loaded.update((n, t.clone()) for n, t in ws))
+    assert err is None, err
+    assert loaded.keys() == dict(stream).keys()
+    assert all(torch.equal(loaded[n], t) for n, t in stream)
+
+
+def test_weight_sync_manifest_catches_loader_swapping_experts(verl_cpu):
+    """Planted fault: a loader that swaps two experts' weights in place in the bucket it was handed."""
+    a, b = "model.layers.1.mlp.experts.0.gate_proj.weight", "model.layers.1.mlp.experts.1.gate_proj.weight"
+
+    def swap(_i, ws):
+        d = dict(ws)
+        if a in d and b in d:
+            tmp = d[a].clone()
+            d[a].copy_(d[b])
+            d[b].copy_(tmp)
+
+    err = _sync(_hf_stream(), 1, swap)
+    assert isinstance(err, ManifestMismatch), err
+    assert repr(a) in str(err) and "digest" in str(err)
+
+
+def test_weight_sync_manifest_catches_stale_bucket(verl_cpu, monkeypatch):
+    """Planted fault: the receiver ends up with bucket 1 of the previous refit. With DSV3_REFIT_MANIFEST=0 (the
+    check off, as before patch 0031) the same fault goes through unnoticed."""
+    old, new = _hf_stream(seed=0, overrides=WIDER), _hf_stream(seed=1, overrides=WIDER)
+    kept = {}
+    assert _sync(old, 1, lambda i, ws: kept.setdefault(i, [(n, t.clone()) for n, t in ws])) is None
+    assert len(kept) >= 3
+
+    def stale(i, ws):
+        if i == 1:
+            for (_n, t), (_m, prev) in zip(ws, kept[1], strict=True):
+                t.copy_(prev)
+
+    err = _sync(new, 1, stale)
+    assert isinstance(err, ManifestMismatch), err
+    assert repr(kept[1][0][0]) in str(err)
+    monkeypatch.setenv("DSV3_REFIT_MANIFEST", "0")
+    assert _sync(new, 1, stale) is None
