@@ -100,7 +100,7 @@ def bench_kernel(device: torch.device, m: int, n: int, iters: int) -> dict:
         out.zero_()  # a backend that writes nothing must not inherit the previous one's result
         try:
             t = _timeit(fn, device, iters)
-        except Exception as e:  # a compile failure is a result, not a crash
+        except Exception as e:  # noqa: BLE001 - a compile failure is a result, not a crash
             result["backends"][name] = {"error": f"{type(e).__name__}: {e}"[:200]}
             continue
         exact = torch.equal(out.cpu().view(torch.int16), ref.view(torch.int16))

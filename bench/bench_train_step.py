@@ -202,7 +202,7 @@ def sdpa_kernel_name(q_shape, qk: int, v: int, dtype, prefer: bool) -> str:
         with ctx:
             c = int(torch._fused_sdp_choice(q.requires_grad_(), k.requires_grad_(), vv.requires_grad_(), is_causal=True))
         return names.get(c, str(c))
-    except Exception as e:  # informative only
+    except Exception as e:  # noqa: BLE001 - informative only
         return f"unknown ({type(e).__name__})"
 
 
@@ -252,7 +252,7 @@ def run_hf(cfg, args, device) -> dict:
     }
     if args.profile:
         info["profile"] = profile_step(step, args.profile)
-    del model, tokens, labels
+    model = tokens = labels = None  # free them before the next engine (step() shares these cells)
     reset_peak()
     return info
 
@@ -308,7 +308,7 @@ def run_mcore(cfg, args, device, grouped: str, tp: int, ep: int) -> dict:
     res = time_steps(step, args.warmup, args.iters)
     loss = float(step().detach())
     att = inner.decoder.layers[0].self_attention.core_attention
-    moe = [l.mlp.experts for l in inner.decoder.layers if hasattr(l.mlp, "experts")]
+    moe = [layer.mlp.experts for layer in inner.decoder.layers if hasattr(layer.mlp, "experts")]
     used_grouped = bool(moe) and moe[0].grouped_mm and moe[0]._use_grouped_forward(
         torch.empty(0, cfg.hidden_size, device=device, dtype=torch.bfloat16))
     q_heads = inner.decoder.layers[0].self_attention.num_attention_heads_per_partition
@@ -324,7 +324,7 @@ def run_mcore(cfg, args, device, grouped: str, tp: int, ep: int) -> dict:
     }
     if args.profile:
         info["profile"] = profile_step(step, args.profile)
-    del model, inner, chunks, moe, att
+    model = inner = chunks = moe = att = None  # free them before the next engine (step() shares these cells)
     reset_peak()
     return info
 

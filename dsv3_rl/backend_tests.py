@@ -21,6 +21,7 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+from dsv3_rl.errors import cli_main
 from dsv3_rl.backends import BASELINE_TAG, REPO_ROOT, load_lock
 
 PATTERN = "*_on_cpu.py"
@@ -76,6 +77,7 @@ def run_suite(src: Path, import_root: Path | None, jobs_out: Path) -> tuple[set[
     return passed, failed
 
 
+@cli_main
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("backend", nargs="?", default="verl")
@@ -107,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         if not baseline_file.exists():
             print(f"error: no baseline {baseline_file}; record it with --record", file=sys.stderr)
             return 2
-        expected = {l.strip() for l in baseline_file.read_text().splitlines() if l.strip() and not l.startswith("#")}
+        expected = {ln.strip() for ln in baseline_file.read_text().splitlines() if ln.strip() and not ln.startswith("#")}
         # Run from the patched tree itself (the tests use repo-relative paths), importing it.
         passed, failed = run_suite(tree, tree, td)
     regressions = sorted(expected - passed)

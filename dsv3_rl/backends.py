@@ -1,19 +1,19 @@
 """Pinned upstream backends: read ``backends.lock``, fetch sdists by hash, unpack with a pristine baseline.
 
-``backends.lock`` (TOML) has one table per backend::
+``backends.lock`` (TOML) has one table per backend, named by its package name on the index::
 
     [megatron-core]
     version = "0.16.1"
-    sdist = "megatron_core-0.16.1.tar.gz"
-    sha256 = "..."
-    url = "https://files.pythonhosted.org/..."      # optional direct link
-    git_url = "..."; git_tag = "..."; git_commit = "..."
+    sha256 = "..."                                   # of the sdist megatron_core-0.16.1.tar.gz
+    git_url = "..."; git_tag = "..."; git_commit = "..."   # provenance, optional
 
-``fetch`` downloads the sdist (direct URL first, ``pip download --no-deps --no-binary :all:``
-as the fallback), verifies the sha256 (:class:`HashMismatchError` names the file and both
-hashes), unpacks it into ``backends/<name>-<version>/`` and commits the pristine tree into a
-git repository inside that folder, so that patch application, revert and refresh are exact.
-Re-running is a no-op once the baseline exists.
+The schema is :class:`LockEntry` (pydantic, unknown keys forbidden); an error is one line naming the
+table, the key and the allowed keys. No registry host is written down: ``fetch`` runs
+``pip download NAME==VERSION --no-deps --no-binary :all:`` (so pip's own index, mirror and proxy
+settings apply), verifies the sha256 (:class:`HashMismatchError` names the file and both hashes),
+unpacks it into ``backends/<name>-<version>/`` and commits the pristine tree into a git repository
+inside that folder, so that patch application, revert and refresh are exact. A verified sdist is
+kept in ``backends/.cache/``; re-running is a no-op once the baseline exists.
 """
 
 from __future__ import annotations
@@ -21,14 +21,18 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tarfile
 import tempfile
 import tomllib
-import urllib.request
 from pathlib import Path
+
+import pydantic
+
+from dsv3_rl.errors import Dsv3Error
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BASELINE_TAG = "pristine"
@@ -36,7 +40,7 @@ BASELINE_TAG = "pristine"
 _BACKEND_EXCLUDES = ["build/", "*.egg-info/", "__pycache__/", "*.so", "*.pyc", ".pytest_cache/", "*.orig", "*.rej"]
 
 
-class BackendError(RuntimeError):
+class BackendError(Dsv3Error, RuntimeError):
     """A backend could not be fetched, verified or unpacked."""
 
 
@@ -50,16 +54,31 @@ class HashMismatchError(BackendError):
         self.path, self.expected, self.actual = path, expected, actual
 
 
+class LockEntry(pydantic.BaseModel):
+    """One ``[name]`` table of ``backends.lock``."""
+
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
+
+    version: str
+    sha256: str = pydantic.Field(pattern=r"^[0-9a-f]{64}$")
+    git_url: str = ""
+    git_tag: str = ""
+    git_commit: str = ""
+
+
 @dataclasses.dataclass(frozen=True)
 class Backend:
     name: str
     version: str
-    sdist: str
     sha256: str
-    url: str = ""
     git_url: str = ""
     git_tag: str = ""
     git_commit: str = ""
+
+    @property
+    def sdist(self) -> str:
+        """The sdist's file name (PEP 625: normalised name, version, ``.tar.gz``)."""
+        return f"{re.sub(r'[-_.]+', '_', self.name).lower()}-{self.version}.tar.gz"
 
     @property
     def dirname(self) -> str:
@@ -72,8 +91,20 @@ class Backend:
         return root / "patches" / self.name / self.version
 
 
-_LOCK_KEYS = {f.name for f in dataclasses.fields(Backend)} - {"name"}
-_REQUIRED_KEYS = {"version", "sdist", "sha256"}
+def _lock_error(path: Path, name: str, e: pydantic.ValidationError) -> BackendError:
+    """The first problem of a ``[name]`` table, on one line, naming the key (and the allowed keys)."""
+    allowed = list(LockEntry.model_fields)
+    err = e.errors()[0]
+    key = ".".join(str(x) for x in err["loc"])
+    if err["type"] == "extra_forbidden":
+        unknown = sorted(str(x["loc"][0]) for x in e.errors() if x["type"] == "extra_forbidden")
+        return BackendError(f"{path}: [{name}] has unknown key(s) {unknown}; allowed: {allowed}")
+    if err["type"] == "missing":
+        missing = sorted(str(x["loc"][0]) for x in e.errors() if x["type"] == "missing")
+        return BackendError(f"{path}: [{name}] is missing {missing} (keys: {allowed})")
+    if err["type"] == "string_pattern_mismatch":
+        return BackendError(f"{path}: [{name}] {key}={err['input']!r} is not a sha256 (64 lowercase hex digits)")
+    return BackendError(f"{path}: [{name}] {key}={err.get('input')!r}: {err['msg']}")
 
 
 def load_lock(path: Path | None = None) -> dict[str, Backend]:
@@ -89,13 +120,11 @@ def load_lock(path: Path | None = None) -> dict[str, Backend]:
     for name, table in data.items():
         if not isinstance(table, dict):
             raise BackendError(f"{path}: top-level key {name!r} must be a table [{name}]")
-        unknown = set(table) - _LOCK_KEYS
-        if unknown:
-            raise BackendError(f"{path}: [{name}] has unknown key(s) {sorted(unknown)}; allowed: {sorted(_LOCK_KEYS)}")
-        missing = _REQUIRED_KEYS - set(table)
-        if missing:
-            raise BackendError(f"{path}: [{name}] is missing {sorted(missing)}")
-        backends[name] = Backend(name=name, **{k: str(v) for k, v in table.items()})
+        try:
+            entry = LockEntry.model_validate(table)
+        except pydantic.ValidationError as e:
+            raise _lock_error(path, name, e) from None
+        backends[name] = Backend(name=name, **entry.model_dump())
     return backends
 
 
@@ -113,26 +142,24 @@ def verify(path: Path, expected: str) -> None:
         raise HashMismatchError(path, expected, actual)
 
 
+def pip_download_cmd(backend: Backend, dest: Path) -> list[str]:
+    """``pip download NAME==VERSION --no-deps --no-binary :all:`` into DEST (pip's index settings apply)."""
+    return [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-d", str(dest),
+            f"{backend.name}=={backend.version}"]
+
+
 def _download(backend: Backend, dest_dir: Path) -> Path:
+    """The sdist of BACKEND into DEST_DIR/<sdist> (not yet verified)."""
     target = dest_dir / backend.sdist
-    if backend.url:
-        tmp = target.with_name(target.name + ".part")
-        try:
-            with urllib.request.urlopen(backend.url, timeout=60) as r, open(tmp, "wb") as f:
-                shutil.copyfileobj(r, f)
-            os.replace(tmp, target)
-            return target
-        except OSError as e:  # fall back to pip, which knows mirrors and proxies
-            tmp.unlink(missing_ok=True)
-            print(f"[backends] direct download of {backend.sdist} failed ({e}); trying pip download", file=sys.stderr)
     with tempfile.TemporaryDirectory(dir=dest_dir) as td:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-               "-d", td, f"{backend.name}=={backend.version}"]
+        cmd = pip_download_cmd(backend, Path(td))
         r = subprocess.run(cmd, capture_output=True, text=True)
-        got = Path(td) / backend.sdist
-        if r.returncode != 0 or not got.exists():
-            raise BackendError(f"could not download {backend.sdist}: {' '.join(cmd)} said:\n{r.stdout[-2000:]}{r.stderr[-2000:]}")
-        os.replace(got, target)
+        got = sorted(Path(td).glob("*.tar.gz"))
+        if r.returncode != 0 or len(got) != 1:
+            tail = f"{r.stdout[-1500:]}{r.stderr[-1500:]}".strip().replace("\n", " | ")
+            raise BackendError(f"could not download {backend.name}=={backend.version} (sdist): {' '.join(cmd[2:])} "
+                               f"exited {r.returncode} with {[p.name for p in got]}: {tail}")
+        os.replace(got[0], target)
     return target
 
 

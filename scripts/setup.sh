@@ -44,8 +44,8 @@ else
 fi
 
 # 2. build helpers megatron-core's editable install needs (no build isolation: it compiles one
-#    optional C++ helper against pybind11).
-pip_install "setuptools>=64,<80" wheel pybind11 "packaging>=24.2"
+#    optional C++ helper against pybind11), and pydantic, which reads backends.lock in step 3.
+pip_install "setuptools>=64,<80" wheel pybind11 "packaging>=24.2" "pydantic>=2"
 
 # 3. pinned backends, fetched by hash and patched.
 "$PY" -m pip show dsv3-rl >/dev/null 2>&1 || pip_install --no-deps -e .

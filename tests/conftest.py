@@ -29,7 +29,7 @@ def pytest_runtest_protocol(item, nextitem):
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
-    guard = sys.modules.get("megatron.core.transformer.mla_attention_guard")  # our megatron patch records them too
+    guard = sys.modules.get("dsv3_rl.mcore.mla_attention_guard")  # megatron's patch-0011 hook records them too
     for k in _TE_ATTENTION_ENV:
         getattr(guard, "MCORE_SET_ENV", {}).pop(k, None)
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from dsv3_rl.errors import Dsv3Error
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors library's own limit
 
@@ -46,7 +47,7 @@ _DTYPES: dict[str, tuple[torch.dtype | None, int]] = {
 _TORCH_TO_ST = {dt: name for name, (dt, _) in _DTYPES.items() if dt is not None}
 
 
-class SafetensorsError(ValueError):
+class SafetensorsError(Dsv3Error, ValueError):
     """A safetensors file is truncated, corrupt or not safetensors at all; the message names the file."""
 
 

@@ -27,11 +27,13 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from dsv3_rl.errors import Dsv3Error
+from dsv3_rl.layout import Layout
 
 SUPPORTED_MODEL_TYPES = ("deepseek_v3",)
 
 
-class UnsupportedConfigError(ValueError):
+class UnsupportedConfigError(Dsv3Error, ValueError):
     """The HF config asks for something megatron-core 0.16.1 cannot express."""
 
 
@@ -57,21 +59,8 @@ class RouterSettings:
             raise UnsupportedConfigError(f"router router_dtype={self.router_dtype!r}; allowed: fp32, fp64")
 
 
-@dataclasses.dataclass(frozen=True)
-class Parallel:
-    """Model-parallel layout as megatron-core sees it."""
-
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1
-    etp: int = 1
-    """expert tensor parallel; DeepSeek-V3 practice is 1 (experts are small, EP shards them)."""
-    vpp: int | None = None
-    cp: int = 1
-    sp: bool | None = None
-    """sequence parallel; default on whenever tp > 1 (megatron requires it for MoE + TP training)."""
-    dispatcher: str = "alltoall"
-    """``moe_token_dispatcher_type``: alltoall | allgather."""
+#: the converter's name for :class:`dsv3_rl.layout.Layout` (one layout type for the whole package)
+Parallel = Layout
 
 
 def _get(cfg: Any, key: str, default: Any = None) -> Any:
@@ -222,7 +211,7 @@ def hf_to_mcore_kwargs(
     g = lambda k, d=None: _get(hf_config, k, d)  # noqa: E731
     n_heads = g("num_attention_heads")
     experts = g("n_routed_experts")
-    sp = parallel.sp if parallel.sp is not None else parallel.tp > 1
+    sp = parallel.sp_
     kw: dict[str, Any] = dict(
         # trunk
         num_layers=g("num_hidden_layers"),
@@ -258,7 +247,7 @@ def hf_to_mcore_kwargs(
         virtual_pipeline_model_parallel_size=parallel.vpp,
         context_parallel_size=parallel.cp,
         expert_model_parallel_size=parallel.ep,
-        expert_tensor_parallel_size=parallel.etp,
+        expert_tensor_parallel_size=parallel.etp_,
         sequence_parallel=sp,
         # megatron-core's default batched p2p sends and receives both directions in one
         # batch_isend_irecv; at PP=2 with VPP both peers are the same rank, forward and backward

@@ -38,14 +38,17 @@ Layout rules (checked against megatron-core 0.16.1's own ``sharded_state_dict()`
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterator
+from typing import Any
+from collections.abc import Iterator
+
+from dsv3_rl.errors import Dsv3Error
 
 from .config_map import _get
 
 SPECS = ("both", "local", "te")
 
 
-class MappingError(ValueError):
+class MappingError(Dsv3Error, ValueError):
     """A tensor name, shape or layout the DeepSeek-V3 mapping does not accept (the message names it)."""
 
 

@@ -13,9 +13,10 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import torch
+from dsv3_rl.errors import Dsv3Error
 
 _DT = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -25,7 +26,7 @@ _DT = {
 _ST = {v: k for k, v in _DT.items()}
 
 
-class CheckpointFormatError(ValueError):
+class CheckpointFormatError(Dsv3Error, ValueError):
     """A file is not what it should be (truncated, not safetensors, bad index); names the file."""
 
 

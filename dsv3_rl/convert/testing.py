@@ -29,11 +29,9 @@ def _config_dict(preset: str, overrides: dict | None) -> dict:
 
 
 def _tokenizer(out: Path) -> None:
-    try:
-        from dsv3_rl.models.tokenizer import tokenizer_dir
-    except ImportError:
-        return
     import shutil
+
+    from dsv3_rl.models.tokenizer import tokenizer_dir
 
     src = Path(tokenizer_dir())
     for p in src.iterdir():

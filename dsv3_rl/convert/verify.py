@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from dsv3_rl.errors import cli_main
+
 
 def tokens(vocab: int, batch: int = 2, seq: int = 16, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
@@ -107,6 +109,7 @@ def hf_logits(hf_dir: Path, toks: torch.Tensor) -> torch.Tensor:
         return model(toks).logits.float()
 
 
+@cli_main
 def main(argv: list[str] | None = None) -> int:
     from transformers import AutoConfig
 

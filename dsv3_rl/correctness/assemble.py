@@ -21,9 +21,10 @@ from pathlib import Path
 import torch
 
 from dsv3_rl.correctness.hooks import ROUTER_KEYS
+from dsv3_rl.errors import Dsv3Error
 
 
-class AssemblyError(RuntimeError):
+class AssemblyError(Dsv3Error, RuntimeError):
     pass
 
 

@@ -15,38 +15,14 @@ from pathlib import Path
 
 import torch
 
-
-class ConverterMissing(RuntimeError):
-    pass
-
-
-def _weights():
-    try:
-        from dsv3_rl.convert import weights
-    except ImportError as e:
-        raise ConverterMissing(
-            f"the HF <-> megatron converter (dsv3_rl.convert.weights) cannot be imported ({e}); run with "
-            f"--reference mcore (layouts against the single-process megatron model) until it can") from None
-    missing = [n for n in ("hf_to_mcore", "mcore_to_hf") if not hasattr(weights, n)]
-    if missing:
-        raise ConverterMissing(f"dsv3_rl.convert.weights lacks {missing}")
-    return weights
-
-
-def available() -> bool:
-    try:
-        _weights()
-        return True
-    except ConverterMissing:
-        return False
-
+from dsv3_rl.convert import weights
 
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 
 
 def hf_to_mcore(hf_path: Path, out: Path, dtype: torch.dtype) -> Path:
     """Convert the HF checkpoint into a megatron dist checkpoint at ``out`` (loads at any layout)."""
-    _weights().hf_to_mcore(Path(hf_path), Path(out), dtype=DTYPE_NAMES[dtype], progress=False)
+    weights.hf_to_mcore(Path(hf_path), Path(out), dtype=DTYPE_NAMES[dtype], progress=False)
     return Path(out)
 
 
@@ -56,7 +32,7 @@ def grads_to_hf(grads_dir: Path, out: Path, hf_path: Path) -> dict[str, torch.Te
     router's expert_bias, not a gradient) are returned too; the caller keeps HF parameters only."""
     from safetensors.torch import load_file
 
-    _weights().mcore_to_hf(Path(grads_dir), Path(out), hf_dir=Path(hf_path), progress=False)
+    weights.mcore_to_hf(Path(grads_dir), Path(out), hf_dir=Path(hf_path), progress=False)
     grads: dict[str, torch.Tensor] = {}
     for f in sorted(Path(out).glob("*.safetensors")):
         grads.update({k: v.float() for k, v in load_file(str(f)).items()})

@@ -19,6 +19,8 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
+from dsv3_rl.errors import cli_main
+
 if TYPE_CHECKING:
     from dsv3_rl.correctness.runner import Options
 
@@ -91,6 +93,7 @@ def quiet() -> None:
         pass
 
 
+@cli_main
 def main(argv: list[str] | None = None) -> int:
     from dsv3_rl.correctness import faults, layouts
 

@@ -10,20 +10,14 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from dsv3_rl.convert.config_map import Parallel
+from dsv3_rl import layout
 
 
-@dataclasses.dataclass(frozen=True)
-class Layout:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Layout(layout.Layout):
+    """A :class:`dsv3_rl.layout.Layout` with a name and the process count the suite runs it on."""
+
     name: str
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1
-    etp: int = 1
-    vpp: int | None = None
-    sp: bool | None = None
-    """None: on whenever tp > 1 (megatron-core refuses to *train* MoE + TP without it)."""
-    dispatcher: str = "alltoall"
     nproc: int | None = None
     """processes; default: the smallest world TP*PP and EP*ETP*PP both divide."""
     note: str = ""
@@ -31,57 +25,46 @@ class Layout:
     """(MLATransformerConfig field, value) pairs this layout needs"""
 
     @property
-    def seq_parallel(self) -> bool:
-        return self.sp if self.sp is not None else self.tp > 1
-
-    @property
     def world(self) -> int:
         if self.nproc:
             return self.nproc
-        return math.lcm(self.tp * self.pp, self.ep * self.etp * self.pp)
-
-    @property
-    def dp(self) -> int:
-        return self.world // (self.tp * self.pp)
+        return math.lcm(self.tp * self.pp, self.ep * self.etp_ * self.pp)
 
     @property
     def moe_tp_without_sp(self) -> bool:
         """megatron-core raises in MoELayer.forward when training with TP > 1 and no SP (a
         performance guard); such a layout runs its step with the modules in eval mode."""
-        return self.tp > 1 and not self.seq_parallel
-
-    def parallel(self) -> Parallel:
-        return Parallel(tp=self.tp, pp=self.pp, ep=self.ep, etp=self.etp, vpp=self.vpp, sp=self.seq_parallel,
-                        dispatcher=self.dispatcher)
+        return self.tp > 1 and not self.sp_
 
     def describe(self) -> str:
-        parts = [f"TP={self.tp}", f"PP={self.pp}", f"EP={self.ep}", f"ETP={self.etp}"]
+        parts = [f"TP={self.tp}", f"PP={self.pp}", f"EP={self.ep}", f"ETP={self.etp_}"]
         if self.vpp:
             parts.append(f"VPP={self.vpp}")
-        parts.append(f"SP={'on' if self.seq_parallel else 'off'}")
-        parts.append(f"DP={self.dp}")
-        if self.ep > 1 or self.tp > 1 or self.etp > 1:
+        parts.append(f"SP={'on' if self.sp_ else 'off'}")
+        parts.append(f"DP={self.dp(self.world)}")
+        if self.ep > 1 or self.tp > 1 or self.etp_ > 1:
             parts.append(f"dispatcher={self.dispatcher}")
         return f"{self.name} ({', '.join(parts)}; {self.world} process{'es' if self.world > 1 else ''})"
 
 
+# ETP is 1 unless a layout says otherwise (experts replicated over TP, DeepSeek-V3 practice)
 _LAYOUTS = [
-    Layout("tp1", note="single process"),
-    Layout("dp2", nproc=2, note="data parallel: each rank its own micro-batches, DDP averaging"),
-    Layout("tp2_nosp", tp=2, sp=False,
+    Layout(name="tp1", etp=1, note="single process"),
+    Layout(name="dp2", etp=1, nproc=2, note="data parallel: each rank its own micro-batches, DDP averaging"),
+    Layout(name="tp2_nosp", tp=2, etp=1, sp=False,
            note="TP2 without SP: megatron refuses to train MoE+TP without SP; run in eval mode. KNOWN FAIL: 2x grads"),
-    Layout("tp2_sp", tp=2, sp=True, note="TP2 + sequence parallel, experts replicated over TP (ETP1)"),
-    Layout("pp2", pp=2),
-    Layout("pp2_vpp2", pp=2, vpp=2,
+    Layout(name="tp2_sp", tp=2, etp=1, sp=True, note="TP2 + sequence parallel, experts replicated over TP (ETP1)"),
+    Layout(name="pp2", pp=2, etp=1),
+    Layout(name="pp2_vpp2", pp=2, etp=1, vpp=2,
            note="interleaved pipeline, one layer per chunk on the tiny preset; unbatched p2p (config_map, as verl)"),
-    Layout("pp2_vpp2_batchp2p", pp=2, vpp=2, config_overrides=(("batch_p2p_comm", True),),
+    Layout(name="pp2_vpp2_batchp2p", pp=2, etp=1, vpp=2, config_overrides=(("batch_p2p_comm", True),),
            note="as pp2_vpp2 with megatron-core's default batched p2p: KNOWN FAIL on gloo and NCCL "
                 "(forward/backward messages cross at PP=2)"),
-    Layout("ep2", ep=2),
-    Layout("ep2_allgather", ep=2, dispatcher="allgather"),
-    Layout("tp2_ep2", tp=2, ep=2),
-    Layout("tp2_etp2", tp=2, etp=2, note="experts tensor-parallel like the dense layers"),
-    Layout("etp2", etp=2, nproc=2, note="experts tensor-parallel, attention data-parallel"),
+    Layout(name="ep2", ep=2, etp=1),
+    Layout(name="ep2_allgather", ep=2, etp=1, dispatcher="allgather"),
+    Layout(name="tp2_ep2", tp=2, ep=2, etp=1),
+    Layout(name="tp2_etp2", tp=2, etp=2, note="experts tensor-parallel like the dense layers"),
+    Layout(name="etp2", etp=2, nproc=2, note="experts tensor-parallel, attention data-parallel"),
 ]
 LAYOUTS: dict[str, Layout] = {lay.name: lay for lay in _LAYOUTS}
 # tp2_nosp is not among them: megatron-core refuses to train MoE + TP without SP, and where the
@@ -91,8 +74,14 @@ CI_LAYOUTS = ["tp1", "dp2", "tp2_sp", "pp2", "pp2_vpp2", "ep2", "ep2_allgather",
 
 
 def get(name: str) -> Layout:
+    """A named layout (:data:`LAYOUTS`) or one written as ``tp=2,ep=2`` (:meth:`dsv3_rl.layout.Layout.parse`;
+    ETP defaults to 1 here, SP to TP > 1)."""
+    if "=" in name:
+        lay = layout.Layout.parse(name)
+        return from_sizes(tp=lay.tp, pp=lay.pp, ep=lay.ep, etp=lay.etp if lay.etp is not None else 1, vpp=lay.vpp,
+                          sp=lay.sp, dispatcher=lay.dispatcher)
     if name not in LAYOUTS:
-        raise KeyError(f"unknown layout {name!r} (allowed: {', '.join(LAYOUTS)}; or tp<N>[_pp<N>][_ep<N>][_etp<N>])")
+        raise KeyError(f"unknown layout {name!r} (allowed: {', '.join(LAYOUTS)}; or sizes like tp=2,ep=2)")
     return LAYOUTS[name]
 
 
@@ -100,7 +89,7 @@ def from_sizes(tp: int = 1, pp: int = 1, ep: int = 1, etp: int = 1, vpp: int | N
                dispatcher: str = "alltoall", nproc: int | None = None) -> Layout:
     """A layout from sizes (the seed-compatible ``--test-tp/--test-pp/--test-ep`` flags)."""
     for lay in _LAYOUTS:
-        if (lay.tp, lay.pp, lay.ep, lay.etp, lay.vpp, lay.seq_parallel, lay.dispatcher) == (
+        if (lay.tp, lay.pp, lay.ep, lay.etp_, lay.vpp, lay.sp_, lay.dispatcher) == (
                 tp, pp, ep, etp, vpp, sp if sp is not None else tp > 1, dispatcher) and (nproc in (None, lay.world)):
             return lay
     parts = [f"tp{tp}"] + [f"{k}{v}" for k, v in (("pp", pp), ("ep", ep), ("etp", etp), ("vpp", vpp)) if v and v > 1]
@@ -108,4 +97,4 @@ def from_sizes(tp: int = 1, pp: int = 1, ep: int = 1, etp: int = 1, vpp: int | N
         parts.append("nosp" if not sp else "sp")
     if dispatcher != "alltoall":
         parts.append(dispatcher)
-    return Layout("_".join(parts), tp=tp, pp=pp, ep=ep, etp=etp, vpp=vpp, sp=sp, dispatcher=dispatcher, nproc=nproc)
+    return Layout(name="_".join(parts), tp=tp, pp=pp, ep=ep, etp=etp, vpp=vpp, sp=sp, dispatcher=dispatcher, nproc=nproc)

@@ -270,7 +270,7 @@ class Suite:
         pre: dict[int, list[Check]] = {}
         runnable = []
         for i, c in enumerate(cands):
-            data.check_divisible(o.batch_size, o.micro_batch_size, c.layout.dp, where=f"layout {c.layout.name}: ")
+            data.check_divisible(o.batch_size, o.micro_batch_size, c.layout.dp(c.layout.world), where=f"layout {c.layout.name}: ")
             if torch.cuda.is_available() and c.layout.world > torch.cuda.device_count():
                 raise ValueError(f"layout {c.layout.name} needs {c.layout.world} GPUs, {torch.cuda.device_count()} visible")
             f = c.fault
@@ -365,7 +365,7 @@ class Suite:
                 grads = {k: v for k, v in grads.items() if k in ref_grads or not k.endswith("e_score_correction_bias")}
             else:
                 grads = assemble.full_grads(cand_cfg, d / "grads")
-        except (Exception, CheckpointException) as e:
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 -- any failure here is this layout's FAIL, named
             return [Check("Layout", "results reassembled and mapped", False,
                           detail=f"{type(e).__name__}: {str(e)[:500]}")]
         checks = []

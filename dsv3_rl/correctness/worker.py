@@ -50,7 +50,7 @@ def run_job(spec: dict, job: dict, batch: dict) -> None:
     hf_config = AutoConfig.from_pretrained(spec["hf_config"])
     for k, v in job.get("hf_config_overrides", {}).items():
         setattr(hf_config, k, v)
-    parallel = layout.parallel()
+    parallel = layout
     runtime.init_distributed(parallel, seed=1234)
     chunks = runtime.build_model(hf_config, parallel, dtype=DTYPES[spec["dtype"]],
                                  config_overrides=job.get("config_overrides") or None)
@@ -73,7 +73,7 @@ def run_job(spec: dict, job: dict, batch: dict) -> None:
     rank = torch.distributed.get_rank()
     meta = dict(rank=rank, tp_rank=ps.get_tensor_model_parallel_rank(), tp=ps.get_tensor_model_parallel_world_size(),
                 pp_rank=ps.get_pipeline_model_parallel_rank(), dp_rank=dp_rank, dp=dp, n_micro=len(mine),
-                micro_batch_size=mbs, seq_length=seq, sequence_parallel=layout.seq_parallel)
+                micro_batch_size=mbs, seq_length=seq, sequence_parallel=layout.sp_)
     losses = [float(r["loss"]) for r in result] if ps.is_pipeline_last_stage(ignore_virtual=True) else None
     (out / "acts").mkdir(parents=True, exist_ok=True)
     tmp = out / "acts" / f".rank{rank}.pt.tmp"

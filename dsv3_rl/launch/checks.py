@@ -12,6 +12,7 @@ import dataclasses
 from typing import Any
 
 from dsv3_rl.launch.verl_config import select
+from dsv3_rl.layout import Layout
 
 A = "actor_rollout_ref.actor"
 M = f"{A}.megatron"
@@ -38,20 +39,12 @@ class Finding:
 
 @dataclasses.dataclass(frozen=True)
 class Sizes:
-    """The parallel sizes as verl will pass them to megatron and vLLM."""
+    """The trainer layout and the rollout engine as verl will pass them to megatron and vLLM."""
 
+    layout: Layout
     world: int
     nnodes: int
     gpus_per_node: int
-    tp: int
-    pp: int
-    ep: int
-    etp: int
-    cp: int
-    vpp: int | None
-    first: int | None
-    last: int | None
-    pipeline_layout: str | None
     rollout_tp: int
     rollout_dp: int
     rollout_ep: int
@@ -59,21 +52,22 @@ class Sizes:
 
     @property
     def dp(self) -> int:
-        return self.world // (self.tp * self.pp * self.cp) if self.world % (self.tp * self.pp * self.cp) == 0 else 0
+        return self.layout.dp(self.world)
 
     def short(self) -> str:
-        s = f"TP{self.tp} PP{self.pp}"
-        if self.vpp:
-            s += f" VPP{self.vpp}"
-        s += f" EP{self.ep} ETP{self.etp}"
-        if self.cp > 1:
-            s += f" CP{self.cp}"
+        lay = self.layout
+        s = f"TP{lay.tp} PP{lay.pp}"
+        if lay.vpp:
+            s += f" VPP{lay.vpp}"
+        s += f" EP{lay.ep} ETP{lay.etp_}"
+        if lay.cp > 1:
+            s += f" CP{lay.cp}"
         if self.dp:
             s += f" DP{self.dp}"
-        if self.pipeline_layout:
-            s += f" layout={self.pipeline_layout}"
-        elif self.first or self.last:
-            s += f" first/last={self.first or '-'}/{self.last or '-'}"
+        if lay.pipeline_layout:
+            s += f" layout={lay.pipeline_layout}"
+        elif lay.first_stage_layers or lay.last_stage_layers:
+            s += f" first/last={lay.first_stage_layers or '-'}/{lay.last_stage_layers or '-'}"
         return s
 
     def rollout_short(self) -> str:
@@ -85,18 +79,33 @@ class Sizes:
         return s
 
 
+def layout_from_config(cfg) -> Layout:
+    """The trainer :class:`~dsv3_rl.layout.Layout` of a composed verl config (verl's defaults where unset)."""
+    g = lambda k, d=None: select(cfg, k, d)  # noqa: E731
+    otc = g(OTC) or {}
+    gran = otc.get("recompute_granularity") or "none"
+    tp, etp, sp = int(g(f"{M}.tensor_model_parallel_size", 1)), g(f"{M}.expert_tensor_parallel_size"), g(f"{M}.sequence_parallel")
+    return Layout(
+        tp=tp, pp=int(g(f"{M}.pipeline_model_parallel_size", 1)),
+        ep=int(g(f"{M}.expert_model_parallel_size", 1)), etp=int(etp) if etp is not None else None,
+        vpp=g(f"{M}.virtual_pipeline_model_parallel_size"), cp=int(g(f"{M}.context_parallel_size", 1)),
+        sp=bool(sp) if sp is not None and tp > 1 else None, dispatcher=otc.get("moe_token_dispatcher_type") or "alltoall",
+        pipeline_layout=otc.get("pipeline_model_parallel_layout"),
+        first_stage_layers=otc.get("num_layers_in_first_pipeline_stage"),
+        last_stage_layers=otc.get("num_layers_in_last_pipeline_stage"),
+        account_for_embedding=bool(otc.get("account_for_embedding_in_pipeline_split", False)),
+        account_for_loss=bool(otc.get("account_for_loss_in_pipeline_split", False)),
+        recompute=gran, recompute_modules=tuple(otc.get("recompute_modules") or ()) if gran == "selective" else (),
+        recompute_method=otc.get("recompute_method") or "uniform",
+        recompute_num_layers=int(otc.get("recompute_num_layers") or 1),
+    )
+
+
 def sizes_from_config(cfg) -> Sizes:
     g = lambda k, d=None: select(cfg, k, d)  # noqa: E731
-    tp = int(g(f"{M}.tensor_model_parallel_size", 1))
-    etp = g(f"{M}.expert_tensor_parallel_size")
     nnodes, gpn = int(g("trainer.nnodes", 1)), int(g("trainer.n_gpus_per_node", 1))
     return Sizes(
-        world=nnodes * gpn, nnodes=nnodes, gpus_per_node=gpn, tp=tp,
-        pp=int(g(f"{M}.pipeline_model_parallel_size", 1)), ep=int(g(f"{M}.expert_model_parallel_size", 1)),
-        etp=int(etp) if etp is not None else tp, cp=int(g(f"{M}.context_parallel_size", 1)),
-        vpp=g(f"{M}.virtual_pipeline_model_parallel_size"),
-        first=g(f"{OTC}.num_layers_in_first_pipeline_stage"), last=g(f"{OTC}.num_layers_in_last_pipeline_stage"),
-        pipeline_layout=g(f"{OTC}.pipeline_model_parallel_layout"),
+        layout=layout_from_config(cfg), world=nnodes * gpn, nnodes=nnodes, gpus_per_node=gpn,
         rollout_tp=int(g(f"{R}.tensor_model_parallel_size", 1)), rollout_dp=int(g(f"{R}.data_parallel_size", 1)),
         rollout_ep=int(g(f"{R}.expert_parallel_size", 1)), rollout_pp=int(g(f"{R}.pipeline_model_parallel_size", 1) or 1),
     )
@@ -116,44 +125,43 @@ def _uneven_suggestions(L: int, pp: int, limit: int = 3) -> list[str]:
 
 def check_pipeline(L: int, s: Sizes) -> list[Finding]:
     """Layers vs pipeline stages, as megatron's TransformerBlock will split them."""
-    out: list[Finding] = []
-    pp, vpp = s.pp, s.vpp or 1
-    if s.pipeline_layout:
-        try:
-            from dsv3_rl.planner.pipeline import split_layers
+    from dsv3_rl.planner.pipeline import split_layers
 
-            split, viols = split_layers(L, pp, s.vpp, layout=s.pipeline_layout)
-            for v in viols:
-                out.append(Finding("error", "layers_vs_pp", f"pipeline_model_parallel_layout={s.pipeline_layout!r}: {v.message}"))
-        except ImportError:
-            out.append(Finding("warning", "layers_vs_pp", "pipeline layout not checked (dsv3_rl.planner unavailable)"))
+    out: list[Finding] = []
+    lay = s.layout
+    pp, vpp = lay.pp, lay.vpp_
+    first, last = lay.first_stage_layers, lay.last_stage_layers
+    if lay.pipeline_layout:
+        _, viols = split_layers(L, pp, lay.vpp, layout=lay.pipeline_layout)
+        for v in viols:
+            out.append(Finding("error", "layers_vs_pp", f"pipeline_model_parallel_layout={lay.pipeline_layout!r}: {v.message}"))
         return out
     if pp > L:
         return [Finding("error", "layers_vs_pp", f"PP={pp} pipeline stages for num_hidden_layers={L}: more stages than layers")]
-    if s.first is None and s.last is None:
+    if first is None and last is None:
         if L % (pp * vpp):
             hint = ""
             sugg = _uneven_suggestions(L, pp)
             if sugg:
-                hint = ("; set layout.first_stage_layers/last_stage_layers (megatron's num_layers_in_first/last_"
+                hint = ("; set layout.first_stage_layers/last_stage_layers (megatron's num_layers_in_first/last"
                         f"pipeline_stage), e.g. first/last = {', '.join(sugg)}")
             what = f"PP={pp}" + (f" x VPP={vpp}" if vpp > 1 else "")
             out.append(Finding("error", "layers_vs_pp", f"num_hidden_layers={L} is not divisible by {what}{hint}"))
         return out
-    f, last = s.first or 0, s.last or 0
-    middle = pp - (s.first is not None) - (s.last is not None)
-    rest = L - f - last
+    n_first, n_last = first or 0, last or 0
+    middle = pp - (first is not None) - (last is not None)
+    rest = L - n_first - n_last
     if rest < 0 or (middle == 0 and rest != 0):
-        out.append(Finding("error", "layers_vs_pp", f"first/last stage layers {s.first}/{s.last} with PP={pp} do not add "
+        out.append(Finding("error", "layers_vs_pp", f"first/last stage layers {first}/{last} with PP={pp} do not add "
                                                     f"up to num_hidden_layers={L}"))
     elif middle > 0 and rest % (middle * vpp):
         out.append(Finding("error", "layers_vs_pp",
-                           f"num_hidden_layers={L} minus first/last stage layers {s.first}/{s.last} leaves {rest} "
+                           f"num_hidden_layers={L} minus first/last stage layers {first}/{last} leaves {rest} "
                            f"layers for {middle} middle stages{f' x VPP={vpp}' if vpp > 1 else ''}: not divisible"))
     elif middle > 0 and rest // middle == 0:
         out.append(Finding("error", "layers_vs_pp", f"{middle} middle pipeline stages get 0 layers (num_hidden_layers={L}, "
-                                                    f"first/last {s.first}/{s.last})"))
-    for name, n in (("first", s.first), ("last", s.last)):
+                                                    f"first/last {first}/{last})"))
+    for name, n in (("first", first), ("last", last)):
         if n is not None and n % vpp:
             out.append(Finding("error", "layers_vs_pp", f"num_layers_in_{name}_pipeline_stage={n} is not divisible by VPP={vpp}"))
     return out
@@ -162,40 +170,41 @@ def check_pipeline(L: int, s: Sizes) -> list[Finding]:
 def check_parallel(model: dict, s: Sizes) -> list[Finding]:
     """Model shape vs parallel sizes, GPUs vs TPxPPxCPxDP, rollout engine sizes vs GPUs."""
     out: list[Finding] = []
+    lay = s.layout
     E = lambda check, msg: out.append(Finding("error", check, msg))  # noqa: E731
     L = int(model["num_hidden_layers"])
     heads = int(model["num_attention_heads"])
     experts = int(model.get("n_routed_experts") or 0)
     moe_ffn = int(model.get("moe_intermediate_size") or 0)
     ffn = int(model["intermediate_size"])
-    for name, v in (("TP", s.tp), ("PP", s.pp), ("EP", s.ep), ("ETP", s.etp), ("CP", s.cp),
+    for name, v in (("TP", lay.tp), ("PP", lay.pp), ("EP", lay.ep), ("ETP", lay.etp_), ("CP", lay.cp),
                     ("rollout TP", s.rollout_tp), ("rollout DP", s.rollout_dp)):
         if v < 1:
             E("positive", f"{name}={v} must be >= 1")
     if out:
         return out
     out += check_pipeline(L, s)
-    if heads % s.tp:
-        E("heads_vs_tp", f"num_attention_heads={heads} is not divisible by TP={s.tp}")
-    if ffn % s.tp:
-        E("ffn_vs_tp", f"intermediate_size={ffn} is not divisible by TP={s.tp}")
+    if heads % lay.tp:
+        E("heads_vs_tp", f"num_attention_heads={heads} is not divisible by TP={lay.tp}")
+    if ffn % lay.tp:
+        E("ffn_vs_tp", f"intermediate_size={ffn} is not divisible by TP={lay.tp}")
     if experts:
-        if experts % s.ep:
-            E("experts_vs_ep", f"n_routed_experts={experts} is not divisible by EP={s.ep}")
-        if moe_ffn % s.etp:
-            E("experts_vs_etp", f"moe_intermediate_size={moe_ffn} is not divisible by ETP={s.etp}")
-    elif s.ep > 1:
-        E("experts_vs_ep", f"EP={s.ep} but the model has no routed experts")
-    mp = s.tp * s.pp * s.cp
+        if experts % lay.ep:
+            E("experts_vs_ep", f"n_routed_experts={experts} is not divisible by EP={lay.ep}")
+        if moe_ffn % lay.etp_:
+            E("experts_vs_etp", f"moe_intermediate_size={moe_ffn} is not divisible by ETP={lay.etp_}")
+    elif lay.ep > 1:
+        E("experts_vs_ep", f"EP={lay.ep} but the model has no routed experts")
+    mp = lay.tp * lay.pp * lay.cp
     if s.world % mp:
         E("gpus_vs_tp_pp_dp", f"{s.world} GPUs ({s.nnodes} nodes x {s.gpus_per_node}) are not divisible by "
-                              f"TP*PP*CP = {s.tp}*{s.pp}*{s.cp} = {mp}, so there is no integer DP")
-    emp = s.etp * s.ep * s.pp
+                              f"TP*PP*CP = {lay.tp}*{lay.pp}*{lay.cp} = {mp}, so there is no integer DP")
+    emp = lay.etp_ * lay.ep * lay.pp
     if s.world % emp:
-        E("gpus_vs_ep", f"{s.world} GPUs are not divisible by ETP*EP*PP = {s.etp}*{s.ep}*{s.pp} = {emp} "
+        E("gpus_vs_ep", f"{s.world} GPUs are not divisible by ETP*EP*PP = {lay.etp_}*{lay.ep}*{lay.pp} = {emp} "
                         f"(megatron's expert-parallel groups)")
-    if s.tp > s.gpus_per_node:
-        out.append(Finding("warning", "tp_vs_node", f"TP={s.tp} spans nodes ({s.gpus_per_node} GPUs per node): "
+    if lay.tp > s.gpus_per_node:
+        out.append(Finding("warning", "tp_vs_node", f"TP={lay.tp} spans nodes ({s.gpus_per_node} GPUs per node): "
                                                     f"tensor-parallel traffic leaves NVLink"))
     # rollout (vLLM) ---------------------------------------------------------------------------------
     inst = s.rollout_tp * s.rollout_dp * s.rollout_pp
@@ -300,24 +309,12 @@ def planner_check(model: Any, cfg, s: Sizes, gpu: str, options_extra: dict, *, c
         return [Finding("info", "planner", "skipped: CPU run (the planner models GPU memory)")]
     if options_extra is False:
         return [Finding("info", "planner", "skipped: preset sets planner: false")]
-    try:
-        from dsv3_rl.planner import Cluster, GRPOShape, Layout, Options, RolloutLayout, check_layout
-    except ImportError as e:
-        return [Finding("warning", "planner", f"dsv3_rl.planner is not importable ({e}); memory fit not checked")]
+    from dsv3_rl.planner import Cluster, GRPOShape, Options, RolloutLayout, check_layout
+
     g = lambda k, d=None: select(cfg, k, d)  # noqa: E731
     otc_opt = g(f"{A}.optim.override_optimizer_config") or {}
     otc = g(OTC) or {}
-    gran = otc.get("recompute_granularity") or "none"
     try:
-        layout = Layout(
-            tp=s.tp, pp=s.pp, ep=s.ep, etp=s.etp, vpp=s.vpp, cp=s.cp,
-            sp=bool(g(f"{M}.sequence_parallel")) if s.tp > 1 else None,
-            pipeline_layout=s.pipeline_layout, first_stage_layers=s.first, last_stage_layers=s.last,
-            account_for_embedding=bool(otc.get("account_for_embedding_in_pipeline_split", False)),
-            account_for_loss=bool(otc.get("account_for_loss_in_pipeline_split", False)),
-            recompute=gran, recompute_modules=tuple(otc.get("recompute_modules") or ()) if gran == "selective" else (),
-            recompute_method=otc.get("recompute_method") or "uniform", recompute_num_layers=int(otc.get("recompute_num_layers") or 1),
-        )
         prompt, resp = int(g("data.max_prompt_length")), int(g("data.max_response_length"))
         grpo = GRPOShape(
             prompts_per_step=int(g("data.train_batch_size")), n_samples=int(g(f"{R}.n")), max_prompt_len=prompt,
@@ -326,7 +323,6 @@ def planner_check(model: Any, cfg, s: Sizes, gpu: str, options_extra: dict, *, c
             max_token_len_per_gpu=int(g(f"{A}.ppo_max_token_len_per_gpu") or (prompt + resp)), ppo_epochs=int(g(f"{A}.ppo_epochs", 1)),
         )
         cpu_off = bool(otc_opt.get("optimizer_cpu_offload", False))
-        disp = otc.get("moe_token_dispatcher_type", "alltoall")
         opts = dict(
             param_offload=bool(g(f"{M}.param_offload")), optimizer_offload=bool(g(f"{M}.optimizer_offload")),
             optimizer_cpu_offload_fraction=float(otc_opt.get("optimizer_offload_fraction", 1.0 if cpu_off else 0.0)) if cpu_off else 0.0,
@@ -334,7 +330,6 @@ def planner_check(model: Any, cfg, s: Sizes, gpu: str, options_extra: dict, *, c
             ref_param_offload=bool(g("actor_rollout_ref.ref.megatron.param_offload")),
             distributed_optimizer=bool(g(f"{M}.use_distributed_optimizer", True)),
             precision_aware_optimizer=bool(otc_opt.get("use_precision_aware_optimizer", g(f"{A}.optim.use_precision_aware_optimizer", False))),
-            dispatcher=disp if disp in ("alltoall", "flex", "allgather") else "alltoall",
             moe_grouped_gemm=bool(otc.get("moe_grouped_gemm", True)),
             rollout_enforce_eager=bool(g(f"{R}.enforce_eager")),
             rollout_max_num_batched_tokens=int(g(f"{R}.max_num_batched_tokens") or 8192),
@@ -343,7 +338,7 @@ def planner_check(model: Any, cfg, s: Sizes, gpu: str, options_extra: dict, *, c
         rollout = RolloutLayout(tp=s.rollout_tp, dp=s.rollout_dp, ep=s.rollout_ep, gpus=s.world,
                                 gpu_memory_utilization=float(g(f"{R}.gpu_memory_utilization")))
         fits, report = check_layout(model, Cluster(gpu=gpu, gpus_per_node=s.gpus_per_node, nodes=s.nnodes), grpo,
-                                    layout, Options(**opts), rollout=rollout)
+                                    s.layout, Options(**opts), rollout=rollout)
     except Exception as e:  # noqa: BLE001  (the planner is advisory)
         return [Finding("warning", "planner", f"the planner could not evaluate this layout: {type(e).__name__}: {e}")]
     lines = [ln for ln in report.splitlines() if ln.strip()]

@@ -1,8 +1,11 @@
-"""Hydra override strings: formatting values, flattening nested dicts, parsing the command line.
+"""verl's Hydra overrides, the one place they are written: a nested dict in verl's key space in, override
+strings out (:func:`to_overrides`), one quoting rule (:func:`hydra_value`), one list of verl's open sections
+(:data:`OPEN_SUFFIXES`, :data:`OPEN_PREFIXES`); and the command line's overrides parsed back.
 
 verl's config is composed by Hydra in struct mode: ``key=value`` must name an existing key, ``+key=value``
-adds one. The launcher writes ``+`` only below the free-form dicts verl forwards to Megatron or vLLM
-(``override_transformer_config`` ...) and checks those keys itself (:mod:`dsv3_rl.launch.verl_config`).
+adds one. ``+`` is written only below the free-form dicts verl forwards to Megatron or vLLM
+(``override_transformer_config`` ...), whose keys the launcher checks itself (:mod:`dsv3_rl.launch.verl_config`).
+The launcher (a run preset) and the planner (a candidate layout) both go through :func:`to_overrides`.
 """
 
 from __future__ import annotations
@@ -13,6 +16,64 @@ import math
 import re
 import shlex
 from typing import Any
+
+#: Dicts whose keys verl forwards as keyword arguments elsewhere; new keys need ``+``.
+OPEN_SUFFIXES = (
+    ".override_transformer_config", ".override_optimizer_config", ".override_ddp_config",
+    ".override_mcore_model_config", ".engine_kwargs", ".reward_kwargs", ".mbridge_config",
+)
+OPEN_PREFIXES = ("ray_kwargs.ray_init", "reward.custom_reward_function.reward_kwargs",
+                 "custom_reward_function.reward_kwargs", "actor_rollout_ref.model.override_config")
+
+
+def node_at(cfg, key: str):
+    """The OmegaConf node at KEY (no resolution), or None."""
+    from omegaconf import DictConfig
+
+    node = cfg
+    for part in key.split("."):
+        if not isinstance(node, DictConfig) or node._is_interpolation() or part not in node.keys():
+            return None  # (`in node` is False for '???' values; keys() lists them)
+        node = node._get_node(part)
+    return node
+
+
+def exists(cfg, key: str) -> bool:
+    return node_at(cfg, key) is not None
+
+
+def is_open(cfg, key: str) -> bool:
+    """May KEY be added with ``+``: is it below a free-form dict of verl's config?"""
+    from omegaconf import DictConfig
+
+    parts = key.split(".")
+    for i in range(1, len(parts)):
+        prefix = ".".join(parts[:i])
+        if any(prefix.endswith(s) for s in OPEN_SUFFIXES) or prefix in OPEN_PREFIXES:
+            return True
+        node = node_at(cfg, prefix)
+        if isinstance(node, DictConfig) and len(node) == 0 and not node._is_interpolation():
+            return True
+    return False
+
+
+def to_overrides(tree: dict, cfg, where: str) -> list[str]:
+    """Overrides for TREE, a nested dict in verl's key space, against CFG (verl's composed config,
+    :func:`dsv3_rl.launch.verl_config.base_config`): ``key=v`` for existing keys, ``+key=v`` below open
+    sections; any other key is an error naming WHERE and the key, with the nearest existing ones."""
+    out = []
+    for key, value in flatten(tree):
+        if exists(cfg, key):
+            out.append(f"{key}={hydra_value(value)}")
+        elif is_open(cfg, key):
+            out.append(f"+{key}={hydra_value(value)}")
+        else:
+            from dsv3_rl.launch.presets import PresetError
+            from dsv3_rl.launch.verl_config import unknown_key_message
+
+            raise PresetError(unknown_key_message(cfg, key, where))
+    return out
+
 
 _PLAIN = re.compile(r"^[A-Za-z0-9_/][A-Za-z0-9_./-]*$")
 

@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from dsv3_rl.errors import Dsv3Error
 
 PLATFORMS = ("dlc", "slurm", "local")
 RAY_PORT = 6379
 
 
-class PlatformError(ValueError):
+class PlatformError(Dsv3Error, ValueError):
     pass
 
 

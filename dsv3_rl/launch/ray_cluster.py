@@ -18,9 +18,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 from dsv3_rl.ports import free_port, free_ports  # noqa: F401  (free_port: re-exported for callers)
+from dsv3_rl.errors import Dsv3Error
 
 #: ``ray start`` port options (``RayNodeSpec.ports`` keys) -- all of them, so tests can run two nodes on
 #: one machine without colliding with anything else there.
@@ -29,7 +30,7 @@ PORT_OPTIONS = ("node_manager_port", "object_manager_port", "ray_client_server_p
                 "max_worker_port", "worker_port_list", "dashboard_port")
 
 
-class RayClusterError(RuntimeError):
+class RayClusterError(Dsv3Error, RuntimeError):
     pass
 
 
@@ -120,7 +121,7 @@ class RayNode:
         self.proc: subprocess.Popen | None = None
         self._log = None
 
-    def start(self) -> "RayNode":
+    def start(self) -> RayNode:
         if self.log_path:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self._log = open(self.log_path, "ab")

@@ -27,16 +27,9 @@ import importlib.util
 from pathlib import Path
 from typing import Any
 
-from dsv3_rl.launch.overrides import Override, flatten, hydra_value
-from dsv3_rl.launch.presets import PresetError, close
-
-#: Dicts whose keys verl forwards as keyword arguments elsewhere; new keys need ``+``.
-OPEN_SUFFIXES = (
-    ".override_transformer_config", ".override_optimizer_config", ".override_ddp_config",
-    ".override_mcore_model_config", ".engine_kwargs", ".reward_kwargs", ".mbridge_config",
-)
-OPEN_PREFIXES = ("ray_kwargs.ray_init", "reward.custom_reward_function.reward_kwargs",
-                 "custom_reward_function.reward_kwargs", "actor_rollout_ref.model.override_config")
+from dsv3_rl.errors import Dsv3Error
+from dsv3_rl.launch.overrides import Override, exists, is_open, node_at
+from dsv3_rl.launch.presets import close
 
 #: verl keys that older examples use but verl 0.9.1 does not have, with what to use instead.
 REMOVED_KEYS = {
@@ -54,7 +47,7 @@ MEGATRON_TARGETS = {
 }
 
 
-class VerlConfigError(ValueError):
+class VerlConfigError(Dsv3Error, ValueError):
     """The verl config cannot be composed or does not validate; the message names the key."""
 
 
@@ -98,37 +91,6 @@ def base_config(config_name: str = "ppo_megatron_trainer"):
     return compose(config_name, [])
 
 
-def _node(cfg, key: str):
-    """The OmegaConf node at KEY (no resolution), or None."""
-    from omegaconf import DictConfig
-
-    node = cfg
-    for part in key.split("."):
-        if not isinstance(node, DictConfig) or node._is_interpolation() or part not in node.keys():
-            return None  # (`in node` is False for '???' values; keys() lists them)
-        node = node._get_node(part)
-    return node
-
-
-def exists(cfg, key: str) -> bool:
-    return _node(cfg, key) is not None
-
-
-def is_open(cfg, key: str) -> bool:
-    """May KEY be added with ``+``: is it below a free-form dict of verl's config?"""
-    from omegaconf import DictConfig
-
-    parts = key.split(".")
-    for i in range(1, len(parts)):
-        prefix = ".".join(parts[:i])
-        if any(prefix.endswith(s) for s in OPEN_SUFFIXES) or prefix in OPEN_PREFIXES:
-            return True
-        node = _node(cfg, prefix)
-        if isinstance(node, DictConfig) and len(node) == 0 and not node._is_interpolation():
-            return True
-    return False
-
-
 def unknown_key_message(cfg, key: str, where: str) -> str:
     """Why KEY is not a verl key, with the nearest ones."""
     from omegaconf import DictConfig
@@ -138,7 +100,7 @@ def unknown_key_message(cfg, key: str, where: str) -> str:
     while i < len(parts) and exists(cfg, ".".join(parts[: i + 1])):
         i += 1
     parent = ".".join(parts[:i])
-    node = _node(cfg, parent) if parent else cfg
+    node = node_at(cfg, parent) if parent else cfg
     siblings = [str(k) for k in node.keys()] if isinstance(node, DictConfig) else []
     missing = parts[i] if i < len(parts) else parts[-1]
     msg = f"{where}: {key!r} is not a key of verl {verl_version()}'s config"
@@ -153,20 +115,6 @@ def unknown_key_message(cfg, key: str, where: str) -> str:
         shown = ", ".join(sorted(siblings)[:25])
         msg += f"; keys under {parent or 'the root'}: {shown}{' ...' if len(siblings) > 25 else ''}"
     return msg
-
-
-def tree_to_overrides(tree: dict, cfg, where: str) -> list[str]:
-    """Overrides for a nested dict in verl's key space: ``key=v`` for existing keys, ``+key=v`` below
-    free-form dicts; anything else is an error naming WHERE and the key."""
-    out = []
-    for key, value in flatten(tree):
-        if exists(cfg, key):
-            out.append(f"{key}={hydra_value(value)}")
-        elif is_open(cfg, key):
-            out.append(f"+{key}={hydra_value(value)}")
-        else:
-            raise PresetError(unknown_key_message(cfg, key, where))
-    return out
 
 
 def check_cli_overrides(overrides: list[Override], cfg) -> list[str]:
@@ -209,7 +157,7 @@ def check_open_dicts(cfg) -> list[str]:
         for suffix, (module, cls) in MEGATRON_TARGETS.items():
             sub = "optim" + suffix if "optimizer" in suffix else "megatron" + suffix
             key = f"{section}.{sub}"
-            node = _node(cfg, key)
+            node = node_at(cfg, key)
             if not isinstance(node, DictConfig) or node._is_interpolation() or len(node) == 0:
                 continue
             fields = _megatron_fields(module, cls)

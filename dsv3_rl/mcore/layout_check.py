@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from dsv3_rl.errors import cli_main
 from dsv3_rl.convert.config_map import Parallel
 from dsv3_rl.mcore import runtime
 
@@ -120,6 +121,7 @@ def load_full(hf_config, path: Path, dtype: torch.dtype = torch.float32) -> dict
                     os.environ[k] = v
 
 
+@cli_main
 def main(argv: list[str] | None = None) -> int:
     from transformers import AutoConfig
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -45,9 +46,9 @@ def init_distributed(parallel: Parallel, seed: int = 1234, timeout_s: int = 600)
     model_parallel = parallel.tp * parallel.pp * parallel.cp
     if world % model_parallel:
         raise ValueError(f"world size {world} is not divisible by TP*PP*CP = {parallel.tp}*{parallel.pp}*{parallel.cp}")
-    expert_parallel = parallel.ep * parallel.etp * parallel.pp
+    expert_parallel = parallel.ep * parallel.etp_ * parallel.pp
     if world % expert_parallel:
-        raise ValueError(f"world size {world} is not divisible by EP*ETP*PP = {parallel.ep}*{parallel.etp}*{parallel.pp}")
+        raise ValueError(f"world size {world} is not divisible by EP*ETP*PP = {parallel.ep}*{parallel.etp_}*{parallel.pp}")
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(
         tensor_model_parallel_size=parallel.tp,
@@ -55,7 +56,7 @@ def init_distributed(parallel: Parallel, seed: int = 1234, timeout_s: int = 600)
         virtual_pipeline_model_parallel_size=parallel.vpp,
         context_parallel_size=parallel.cp,
         expert_model_parallel_size=parallel.ep,
-        expert_tensor_parallel_size=parallel.etp,
+        expert_tensor_parallel_size=parallel.etp_,
     )
     model_parallel_cuda_manual_seed(seed)
 

@@ -43,6 +43,8 @@ import torch
 from . import presets
 from .tokenizer import copy_tokenizer_files
 
+from dsv3_rl.errors import cli_main
+
 FORMATS = ("hf", "fp8-release")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 INIT_STD = 0.02
@@ -294,6 +296,7 @@ def _parse_set(items: list[str]) -> dict[str, Any]:
     return result
 
 
+@cli_main
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m dsv3_rl.models.mini_model",
                                 description="Write a DeepSeek-V3-architecture HF checkpoint from a preset.")

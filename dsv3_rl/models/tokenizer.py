@@ -27,6 +27,8 @@ import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from dsv3_rl.errors import cli_main
+
 BOS = "<｜begin▁of▁sentence｜>"
 EOS = "<｜end▁of▁sentence｜>"
 PAD = "<｜▁pad▁｜>"
@@ -274,6 +276,7 @@ def copy_tokenizer_files(dst: str | os.PathLike) -> list[str]:
     return list(FILES)
 
 
+@cli_main
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m dsv3_rl.models.tokenizer", description=__doc__.split("\n\n")[0])
     p.add_argument("out_dir", help="where to write tokenizer.json, tokenizer_config.json, ...")

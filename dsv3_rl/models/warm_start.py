@@ -33,6 +33,8 @@ import sys
 import time
 from pathlib import Path
 
+from dsv3_rl.errors import cli_main
+
 PHASE1 = {"steps": 300, "lr": 1e-3}
 PHASE2 = {"max_steps": 150, "lr": 5e-5}
 BATCH = 32
@@ -178,6 +180,7 @@ def warm_start(data_dir: Path, out: Path, target: float = 0.2, seed: int = 0) ->
     return info
 
 
+@cli_main
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dsv3_rl.models.warm_start", description=__doc__.split("\n\n")[0])
     ap.add_argument("--data", required=True, type=Path, help="synthetic task in MATH layout (dsv3_rl.data.synthetic)")

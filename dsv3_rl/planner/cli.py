@@ -14,56 +14,16 @@ unknown keys are errors listing the allowed ones.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
-import typing
 from pathlib import Path
 
+from dsv3_rl.errors import cli_main
+from dsv3_rl.layout import from_dict, parse_kv
 from dsv3_rl.planner.spec import Cluster, GRPOShape, Layout, Options, RolloutLayout
 
 ASSETS = Path(__file__).resolve().parents[2] / "tests" / "assets" / "planner"
-
-
-def _convert(cls, key: str, raw: str):
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    if key not in fields:
-        raise ValueError(f"{cls.__name__}: unknown key {key!r}; allowed: {sorted(fields)}")
-    hint = typing.get_type_hints(cls)[key]
-    text = str(hint)
-    if raw.lower() in ("none", "null"):
-        return None
-    if "tuple" in text:
-        items = [x for x in raw.strip("()[]").split(":" if ":" in raw else ";") if x] if raw else []
-        inner = int if "int" in text else str
-        return tuple(inner(x) if x.lower() not in ("none", "null") else None for x in items)
-    if "bool" in text:
-        if raw.lower() in ("1", "true", "yes", "on"):
-            return True
-        if raw.lower() in ("0", "false", "no", "off"):
-            return False
-        raise ValueError(f"{cls.__name__}.{key}: {raw!r} is not a boolean")
-    if "float" in text:
-        return float(raw)
-    if "int" in text:
-        return int(raw)
-    return raw
-
-
-def parse_kv(cls, items: list[str]) -> dict:
-    """``key=value`` pairs (comma-separated or repeated) for dataclass ``cls``; tuples use ':'
-    between items (``recompute_modules=core_attn:mla_up_proj``)."""
-    out = {}
-    for item in items or []:
-        for part in item.split(","):
-            if not part:
-                continue
-            if "=" not in part:
-                raise ValueError(f"expected key=value, got {part!r}")
-            k, v = part.split("=", 1)
-            out[k.strip()] = _convert(cls, k.strip(), v.strip())
-    return out
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -112,16 +72,18 @@ def _inputs(a) -> tuple:
     if a.rollout_gpus:
         options["rollout_gpus"] = a.rollout_gpus
     options.update(parse_kv(Options, a.set))
-    from dsv3_rl.planner.spec import from_dict
-
     return model, from_dict(Cluster, cluster), from_dict(GRPOShape, grpo), from_dict(Options, options)
 
 
 def _write_json(path: Path, data) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=1, default=str))
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(data, indent=1, default=str))
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # nothing half-written is left behind
+        raise
 
 
 def cmd_plan(a) -> int:
@@ -137,6 +99,13 @@ def cmd_plan(a) -> int:
         _write_json(a.json, res.to_dict())
         print(f"json: {a.json}")
     best = res.best
+    if best is not None and best.rollout is not None:  # refit-time model of the best layout (docs/refit.md)
+        from dsv3_rl.planner.model import load_model as _load_model
+        from dsv3_rl.planner.refit import refit_lines
+
+        for line in refit_lines(_load_model(model), cluster.gpu_type, cluster.gpus_per_node, best.trainer_gpus,
+                                best.layout, best.rollout, options.rollout_weight_bytes):
+            print(line)
     print(f"summary: {len(res.feasible)} feasible / {res.evaluated} evaluated on {cluster.nodes}x{cluster.gpus_per_node} "
           f"{cluster.gpu}; best: {best.describe() if best else 'none'}"
           + (f" ({best.memory.total / 2**30:.1f} GiB peak)" if best else ""))
@@ -147,10 +116,9 @@ def cmd_check(a) -> int:
     from dsv3_rl.planner.search import evaluate
     from dsv3_rl.planner.report import evaluation_report
     from dsv3_rl.planner.model import load_model
-    from dsv3_rl.planner.spec import from_dict
 
     model, cluster, grpo, options = _inputs(a)
-    lay = from_dict(Layout, parse_kv(Layout, [a.layout]))
+    lay = Layout.parse(a.layout)
     ro = from_dict(RolloutLayout, parse_kv(RolloutLayout, [a.rollout])) if a.rollout else None
     m = load_model(model)
     ev = evaluate(m, cluster, grpo, lay, options, rollout=ro)
@@ -216,6 +184,7 @@ def cmd_validate(a) -> int:
     return 0 if worst <= 0.15 else 1
 
 
+@cli_main
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="dsv3-plan", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)

@@ -1,8 +1,8 @@
 """Model facts for the planner, read from an HF DeepSeek-V3 config, and exact parameter counts.
 
 The planner takes every shape from the config object (transformers ``DeepseekV3Config``, a dict,
-a ``config.json`` path or a preset name); nothing about DeepSeek-V3 is hard-coded except the
-built-in fallback presets used before ``dsv3_rl.models.presets`` exists.
+a ``config.json`` path or a model preset name of :mod:`dsv3_rl.models.presets`, the one place that
+holds DeepSeek-V3's facts); nothing about DeepSeek-V3 is hard-coded here.
 
 Parameter counting follows the HF module tree of ``DeepseekV3ForCausalLM`` (what the checkpoint
 holds). How megatron-core shards each tensor on a GPU is in :mod:`dsv3_rl.planner.memory`.
@@ -16,26 +16,13 @@ import json
 from pathlib import Path
 from typing import Any
 
+from dsv3_rl.models import presets as model_presets
+
 #: The fields read from the HF config (``ModelSpec.from_hf`` fails naming any that is missing).
 REQUIRED_KEYS = (
     "num_hidden_layers", "hidden_size", "vocab_size", "num_attention_heads", "kv_lora_rank",
     "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "intermediate_size",
 )
-
-#: DeepSeek-V3 (671B) as in the published ``config.json`` of deepseek-ai/DeepSeek-V3 (MTP on).
-#: Used only when ``dsv3_rl.models.presets`` is not importable.
-_DSV3_671B = dict(
-    model_type="deepseek_v3", vocab_size=129280, hidden_size=7168, intermediate_size=18432,
-    moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128,
-    n_shared_experts=1, n_routed_experts=256, routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536,
-    qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, n_group=8, topk_group=4, num_experts_per_tok=8,
-    first_k_dense_replace=3, moe_layer_freq=1, norm_topk_prob=True, hidden_act="silu",
-    max_position_embeddings=163840, rms_norm_eps=1e-6, tie_word_embeddings=False, num_nextn_predict_layers=1,
-    rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
-                  "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}, rope_theta=10000, attention_bias=False,
-)
-_FALLBACK_PRESETS = {"deepseek-v3": _DSV3_671B, "671b": _DSV3_671B}
-
 
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
@@ -192,35 +179,16 @@ def count_params(m: ModelSpec) -> ParamCount:
 
 
 def preset_names() -> list[str]:
-    names = set(_FALLBACK_PRESETS)
-    try:
-        from dsv3_rl.models import presets  # type: ignore
-
-        names |= set(presets.list_presets()) | set(getattr(presets, "ALIASES", {}))
-    except (ImportError, AttributeError):
-        pass
-    return sorted(names)
+    return sorted(set(model_presets.list_presets()) | set(model_presets.ALIASES))
 
 
 def _preset_config(name: str) -> dict:
-    """Config kwargs of a preset from dsv3_rl.models.presets (without importing transformers),
-    else the built-in fallback."""
+    """Config kwargs of a model preset (without importing transformers)."""
     try:
-        from dsv3_rl.models import presets  # type: ignore
-    except ImportError:
-        presets = None
-    if presets is not None:
-        try:
-            if hasattr(presets, "preset_kwargs"):
-                return presets.preset_kwargs(name)
-            return presets.hf_config(name)
-        except KeyError:
-            if name not in _FALLBACK_PRESETS:
-                raise ValueError(f"unknown model preset {name!r}; known: {preset_names()} "
-                                 f"(or pass an HF config.json path)") from None
-    if name in _FALLBACK_PRESETS:
-        return dict(_FALLBACK_PRESETS[name])
-    raise ValueError(f"unknown model preset {name!r}; known: {preset_names()} (or pass an HF config.json path)")
+        return model_presets.preset_kwargs(name)
+    except KeyError:
+        raise ValueError(f"unknown model preset {name!r}; known: {preset_names()} "
+                         f"(or pass an HF config.json path)") from None
 
 
 def load_model(model: Any) -> ModelSpec:
@@ -238,9 +206,13 @@ def load_model(model: Any) -> ModelSpec:
             if not p.exists():
                 raise FileNotFoundError(f"model config {p} does not exist")
             try:
-                return ModelSpec.from_hf(json.loads(p.read_text()), name=str(model))
+                cfg = json.loads(p.read_text())
             except json.JSONDecodeError as e:
                 raise ValueError(f"model config {p} is not valid JSON: {e}") from e
+            from dsv3_rl.checkpoint.hf_config import validate_config
+
+            validate_config(cfg, str(p), require=False)  # ConfigError (a ValueError) naming the key
+            return ModelSpec.from_hf(cfg, name=str(model))
         spec = ModelSpec.from_hf(_preset_config(str(model)), name=str(model))
         _SPEC_CACHE[str(model)] = spec
         return spec

@@ -10,75 +10,78 @@ from dsv3_rl.planner.spec import GIB
 A = "actor_rollout_ref"
 
 
-def _b(x: bool) -> str:
-    return "True" if x else "False"
+def verl_tree(ev, m, c, g, o) -> dict:
+    """verl 0.9.1 config keys (trainer/config/ppo_megatron_trainer.yaml) for this candidate, as a nested dict."""
+    lay, ro = ev.layout, ev.rollout
+    world = ev.trainer_gpus
+    actor: dict = {"ppo_mini_batch_size": g.mini_batch_prompts, "ppo_epochs": g.ppo_epochs,
+                   "use_dynamic_bsz": g.dynamic_batch}
+    if g.dynamic_batch:
+        actor["ppo_max_token_len_per_gpu"] = g.tokens_per_micro_batch
+    else:
+        actor["ppo_micro_batch_size_per_gpu"] = g.micro_batch_size
+    t: dict = {"trainer": {"n_gpus_per_node": c.gpus_per_node, "nnodes": max(1, world // c.gpus_per_node)},
+               "data": {"train_batch_size": g.prompts_per_step, "max_prompt_length": g.max_prompt_len,
+                        "max_response_length": g.max_response_len},
+               A: {"rollout": {"n": g.n_samples}, "actor": actor}}
+    if o.ref_model:  # verl's ref takes its sizes and override_transformer_config from the actor's (megatron_ref.yaml)
+        ref_off = o.param_offload if o.ref_param_offload is None else o.ref_param_offload
+        t[A]["ref"] = {"megatron": {"param_offload": ref_off}}
+    meg = {"tensor_model_parallel_size": lay.tp, "pipeline_model_parallel_size": lay.pp,
+           "virtual_pipeline_model_parallel_size": lay.vpp or None, "expert_model_parallel_size": lay.ep,
+           "expert_tensor_parallel_size": lay.etp_, "context_parallel_size": lay.cp, "sequence_parallel": lay.sp_}
+    otc: dict = {}
+    if lay.pipeline_layout:
+        otc["pipeline_model_parallel_layout"] = lay.pipeline_layout
+    if lay.first_stage_layers is not None:
+        otc["num_layers_in_first_pipeline_stage"] = lay.first_stage_layers
+    if lay.last_stage_layers is not None:
+        otc["num_layers_in_last_pipeline_stage"] = lay.last_stage_layers
+    if lay.account_for_embedding:
+        otc["account_for_embedding_in_pipeline_split"] = True
+    if lay.account_for_loss:
+        otc["account_for_loss_in_pipeline_split"] = True
+    meg.update(param_offload=o.param_offload, optimizer_offload=o.optimizer_offload,
+               use_distributed_optimizer=o.distributed_optimizer)
+    if lay.recompute == "none":
+        otc["recompute_granularity"] = None
+    elif lay.recompute == "full":
+        otc.update(recompute_granularity="full", recompute_method=lay.recompute_method,
+                   recompute_num_layers=lay.recompute_num_layers)
+    else:
+        otc.update(recompute_granularity="selective", recompute_modules=list(lay.recompute_modules or ("core_attn",)))
+    if lay.dispatcher != "alltoall":
+        otc["moe_token_dispatcher_type"] = lay.dispatcher
+    meg["override_transformer_config"] = otc
+    actor["megatron"] = meg
+    optim: dict = {}
+    if o.optimizer_cpu_offload_fraction:
+        optim["override_optimizer_config"] = {"optimizer_cpu_offload": True,
+                                              "optimizer_offload_fraction": o.optimizer_cpu_offload_fraction,
+                                              "overlap_cpu_optimizer_d2h_h2d": True}
+    if o.precision_aware_optimizer:
+        optim.update(use_precision_aware_optimizer=True, exp_avg_dtype=o.exp_avg_dtype, exp_avg_sq_dtype=o.exp_avg_dtype,
+                     main_grads_dtype=o.main_grads_dtype)
+    if optim:
+        actor["optim"] = optim
+    if ro is not None:
+        r = t[A]["rollout"]
+        r.update(name="vllm", tensor_model_parallel_size=ro.tp, data_parallel_size=ro.dp, expert_parallel_size=ro.ep,
+                 gpu_memory_utilization=round(ro.gpu_memory_utilization, 2))
+        if o.rollout_enforce_eager:
+            r["enforce_eager"] = True
+        if o.placement == "separate":
+            r.update(nnodes=max(1, ro.gpus // c.gpus_per_node), n_gpus_per_node=c.gpus_per_node)
+    return t
 
 
 def overrides(ev, m, c, g, o) -> list[str]:
-    """verl 0.9.1 hydra overrides (trainer/config/ppo_megatron_trainer.yaml) for this candidate.
-    Keys absent from the yaml (override_transformer_config extras, optimizer overrides) carry the
-    ``+`` prefix hydra needs to add them."""
-    lay, ro = ev.layout, ev.rollout
-    world = ev.trainer_gpus
-    out = [f"trainer.n_gpus_per_node={c.gpus_per_node}", f"trainer.nnodes={max(1, world // c.gpus_per_node)}",
-           f"data.train_batch_size={g.prompts_per_step}", f"data.max_prompt_length={g.max_prompt_len}",
-           f"data.max_response_length={g.max_response_len}", f"{A}.rollout.n={g.n_samples}",
-           f"{A}.actor.ppo_mini_batch_size={g.mini_batch_prompts}", f"{A}.actor.ppo_epochs={g.ppo_epochs}",
-           f"{A}.actor.use_dynamic_bsz={_b(g.dynamic_batch)}"]
-    if g.dynamic_batch:
-        out.append(f"{A}.actor.ppo_max_token_len_per_gpu={g.tokens_per_micro_batch}")
-    else:
-        out.append(f"{A}.actor.ppo_micro_batch_size_per_gpu={g.micro_batch_size}")
-    for role in ("actor", "ref") if o.ref_model else ("actor",):
-        p = f"{A}.{role}.megatron"
-        out += [f"{p}.tensor_model_parallel_size={lay.tp}", f"{p}.pipeline_model_parallel_size={lay.pp}",
-                f"{p}.virtual_pipeline_model_parallel_size={lay.vpp if lay.vpp else 'null'}",
-                f"{p}.expert_model_parallel_size={lay.ep}", f"{p}.expert_tensor_parallel_size={lay.etp_}",
-                f"{p}.context_parallel_size={lay.cp}", f"{p}.sequence_parallel={_b(lay.sp_)}"]
-        ptc = f"{p}.override_transformer_config"
-        if lay.pipeline_layout:
-            out.append(f"+{ptc}.pipeline_model_parallel_layout='{lay.pipeline_layout}'")
-        if lay.first_stage_layers is not None:
-            out.append(f"+{ptc}.num_layers_in_first_pipeline_stage={lay.first_stage_layers}")
-        if lay.last_stage_layers is not None:
-            out.append(f"+{ptc}.num_layers_in_last_pipeline_stage={lay.last_stage_layers}")
-        if lay.account_for_embedding:
-            out.append(f"+{ptc}.account_for_embedding_in_pipeline_split=True")
-        if lay.account_for_loss:
-            out.append(f"+{ptc}.account_for_loss_in_pipeline_split=True")
-        if role == "actor":
-            out.append(f"{p}.param_offload={_b(o.param_offload)}")
-            out.append(f"{p}.optimizer_offload={_b(o.optimizer_offload)}")
-            out.append(f"{p}.use_distributed_optimizer={_b(o.distributed_optimizer)}")
-            if lay.recompute == "none":
-                out.append(f"{ptc}.recompute_granularity=null")
-            elif lay.recompute == "full":
-                out += [f"{ptc}.recompute_granularity=full", f"{ptc}.recompute_method={lay.recompute_method}",
-                        f"{ptc}.recompute_num_layers={lay.recompute_num_layers}"]
-            else:
-                mods = ",".join(f"'{x}'" for x in (lay.recompute_modules or ("core_attn",)))
-                out += [f"{ptc}.recompute_granularity=selective", f"{ptc}.recompute_modules=[{mods}]"]
-            if o.dispatcher != "alltoall":
-                out.append(f"+{ptc}.moe_token_dispatcher_type={o.dispatcher}")
-        else:
-            ref_off = o.param_offload if o.ref_param_offload is None else o.ref_param_offload
-            out.append(f"{p}.param_offload={_b(ref_off)}")
-    if o.optimizer_cpu_offload_fraction:
-        oo = f"+{A}.actor.optim.override_optimizer_config"
-        out += [f"{oo}.optimizer_cpu_offload=True", f"{oo}.optimizer_offload_fraction={o.optimizer_cpu_offload_fraction}",
-                f"{oo}.overlap_cpu_optimizer_d2h_h2d=True"]
-    if o.precision_aware_optimizer:
-        out += [f"{A}.actor.optim.use_precision_aware_optimizer=True", f"{A}.actor.optim.exp_avg_dtype={o.exp_avg_dtype}",
-                f"{A}.actor.optim.exp_avg_sq_dtype={o.exp_avg_dtype}", f"{A}.actor.optim.main_grads_dtype={o.main_grads_dtype}"]
-    if ro is not None:
-        r = f"{A}.rollout"
-        out += [f"{r}.name=vllm", f"{r}.tensor_model_parallel_size={ro.tp}", f"{r}.data_parallel_size={ro.dp}",
-                f"{r}.expert_parallel_size={ro.ep}", f"{r}.gpu_memory_utilization={ro.gpu_memory_utilization:.2f}"]
-        if o.rollout_enforce_eager:
-            out.append(f"{r}.enforce_eager=True")
-        if o.placement == "separate":
-            out += [f"{r}.nnodes={max(1, ro.gpus // c.gpus_per_node)}", f"{r}.n_gpus_per_node={c.gpus_per_node}"]
-    return out
+    """The verl launcher overrides for this candidate (:func:`verl_tree` through the launcher's one emitter,
+    :func:`dsv3_rl.launch.overrides.to_overrides`: ``+`` exactly where verl's config lacks the key)."""
+    from dsv3_rl.launch.overrides import to_overrides
+    from dsv3_rl.launch.verl_config import base_config
+
+    return to_overrides(verl_tree(ev, m, c, g, o), base_config(), f"planner candidate {ev.layout.short()}")
 
 
 def _gib(x: float) -> str:
@@ -137,6 +140,11 @@ def evaluation_report(ev, m, c, g, o) -> str:
                      f"leftovers {rm.trainer_resident / GIB:.1f} GiB")
         lines.append(f"rollout KV capacity: {rm.kv_tokens} tokens per engine ({rm.kv_bytes_per_token / 1024:.1f} KiB/token), "
                      f"{rm.max_concurrent_seqs} sequences of {g.seq_len} at once")
+    if ev.rollout:  # refit-time model (dsv3_rl/planner/refit.py, docs/refit.md)
+        from dsv3_rl.planner.refit import refit_lines
+
+        lines += refit_lines(m, c.gpu_type, c.gpus_per_node, ev.trainer_gpus, ev.layout, ev.rollout,
+                             o.rollout_weight_bytes)
     if ev.time:
         t = ev.time
         ro = f"{ev.rollout_time['total']:.0f}s" if ev.rollout_time.get("total") is not None else "-"

@@ -86,7 +86,7 @@ def trainer_rules(m, world: int, lay, grpo, opt) -> list[Violation]:
             v.append(Violation("mcore.moe_tp_needs_sp",
                                f"MoE training with TP={tp} needs sequence_parallel=True",
                                f"{MCORE}/transformer/moe/moe_layer.py:379-383"))
-        if opt.dispatcher == "flex" and tp * ep <= 1:
+        if lay.dispatcher == "flex" and tp * ep <= 1:
             v.append(Violation("mcore.flex_needs_tp_ep", f"the flex dispatcher needs TP*EP > 1 (TP={tp}, EP={ep})",
                                f"{MCORE}/transformer/moe/token_dispatcher.py:1350"))
     if m.num_dense_layers and m.dense_ffn % tp:
@@ -104,7 +104,7 @@ def trainer_rules(m, world: int, lay, grpo, opt) -> list[Violation]:
                                    f"MLA down-projection)", f"{MCORE}/models/gpt/gpt_layer_specs.py:259-261,382-385; "
                                    f"{MCORE}/tensor_parallel/layers.py:849"))
     # --- verl batch rules ---
-    dp = lay.dp(world) if world % (tp * pp * cp) == 0 else 0
+    dp = lay.dp(world)
     if dp:
         mini = grpo.mini_batch_prompts * grpo.n_samples
         if mini % dp:

@@ -1,8 +1,8 @@
 """Planner inputs and outputs as dataclasses (the API the launcher's ``--dry-run`` uses).
 
-Inputs: :class:`Cluster`, :class:`GRPOShape`, :class:`Options`, and a candidate :class:`Layout`
-(trainer) + :class:`RolloutLayout` (vLLM). Outputs: :class:`Evaluation` per candidate and
-:class:`PlanResult` (see :mod:`dsv3_rl.planner.search`).
+Inputs: :class:`Cluster`, :class:`GRPOShape`, :class:`Options`, and a candidate
+:class:`dsv3_rl.layout.Layout` (trainer) + :class:`RolloutLayout` (vLLM). Outputs: :class:`Evaluation` per
+candidate and :class:`PlanResult` (see :mod:`dsv3_rl.planner.search`).
 
 Unknown keys are errors: :func:`from_dict` raises naming the key and the allowed ones.
 """
@@ -10,7 +10,8 @@ Unknown keys are errors: :func:`from_dict` raises naming the key and the allowed
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+
+from dsv3_rl.layout import Layout, from_dict  # noqa: F401 - the planner's layout is the package's one
 
 GIB = 2**30
 
@@ -185,8 +186,6 @@ class Options:
     with attention_backend=unfused or with TE installed: fp32 softmax + bf16 probs S x S saved).
     Resolved value: ``Options.attention_impl``"""
     moe_grouped_gemm: bool = True
-    dispatcher: str = "alltoall"
-    """alltoall | flex (DeepEP/HybridEP) | allgather"""
     loss: str = "verl"
     """verl (vocab-parallel log-prob, fp32) | fused (verl use_fused_kernels, chunked) | megatron_ce"""
     mtp: bool = False
@@ -244,7 +243,6 @@ class Options:
             "exp_avg_dtype": ("fp32", "bf16"),
             "main_grads_dtype": ("fp32", "bf16"),
             "transformer_impl": ("transformer_engine", "local"),
-            "dispatcher": ("alltoall", "flex", "allgather"),
             "loss": ("verl", "fused", "megatron_ce"),
             "recompute_method": ("uniform", "block"),
             "optimizer_impl": ("fused", "torch"),
@@ -267,73 +265,6 @@ class Options:
         u = self.rollout_gpu_memory_utilization
         if u is not None and not 0 < u < 1:
             raise ValueError(f"options.rollout_gpu_memory_utilization must be in (0, 1) (got {u})")
-
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """One trainer layout (megatron-core names in brackets)."""
-
-    tp: int = 1
-    """[tensor_model_parallel_size]"""
-    pp: int = 1
-    """[pipeline_model_parallel_size]"""
-    ep: int = 1
-    """[expert_model_parallel_size]"""
-    etp: int | None = None
-    """[expert_tensor_parallel_size]; None = TP (megatron's default)"""
-    vpp: int | None = None
-    """[virtual_pipeline_model_parallel_size]"""
-    cp: int = 1
-    """[context_parallel_size]"""
-    sp: bool | None = None
-    """[sequence_parallel]; None = TP > 1 (verl's default)"""
-    pipeline_layout: str | None = None
-    """[pipeline_model_parallel_layout], e.g. "Et|(tt|)*30mL" """
-    first_stage_layers: int | None = None
-    """[num_layers_in_first_pipeline_stage]"""
-    last_stage_layers: int | None = None
-    """[num_layers_in_last_pipeline_stage]"""
-    account_for_embedding: bool = False
-    account_for_loss: bool = False
-    recompute: str = "none"
-    """none | selective | full"""
-    recompute_modules: tuple[str, ...] = ()
-    recompute_method: str = "uniform"
-    recompute_num_layers: int = 1
-
-    @property
-    def etp_(self) -> int:
-        return self.tp if self.etp is None else self.etp
-
-    @property
-    def sp_(self) -> bool:
-        return self.tp > 1 if self.sp is None else self.sp
-
-    @property
-    def vpp_(self) -> int:
-        return self.vpp or 1
-
-    def dp(self, world: int) -> int:
-        return world // (self.tp * self.pp * self.cp)
-
-    def edp(self, world: int) -> int:
-        return world // (self.etp_ * self.ep * self.pp)
-
-    def short(self) -> str:
-        s = f"TP{self.tp} PP{self.pp}"
-        if self.vpp:
-            s += f" VPP{self.vpp}"
-        s += f" EP{self.ep}"
-        if self.etp_ != self.tp or self.ep > 1:
-            s += f" ETP{self.etp_}"
-        if self.cp > 1:
-            s += f" CP{self.cp}"
-        if self.pipeline_layout:
-            s += f" layout={self.pipeline_layout}"
-        elif self.first_stage_layers or self.last_stage_layers:
-            s += f" first/last={self.first_stage_layers}/{self.last_stage_layers}"
-        rc = self.recompute if self.recompute != "selective" else "sel[" + ",".join(self.recompute_modules) + "]"
-        return s + f" rc={rc}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -361,21 +292,3 @@ class RolloutLayout:
         if self.ep > 1:
             s += f" EP{self.ep}"
         return s + f" x{self.instances} util={self.gpu_memory_utilization:.2f}"
-
-
-def from_dict(cls, d: dict[str, Any] | None):
-    """Build a dataclass from a dict; unknown keys are an error naming the allowed ones."""
-    if d is None:
-        return cls()
-    if isinstance(d, cls):
-        return d
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(d) - names)
-    if unknown:
-        raise ValueError(f"{cls.__name__}: unknown key(s) {unknown}; allowed: {sorted(names)}")
-    kw = {}
-    for k, v in d.items():
-        if isinstance(v, list):
-            v = tuple(v)
-        kw[k] = v
-    return cls(**kw)

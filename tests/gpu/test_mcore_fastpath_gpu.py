@@ -58,7 +58,7 @@ def run(name: str, *args: str) -> dict:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     r = subprocess.run([sys.executable, str(SCENARIOS), name, "--device", "cuda", *args], capture_output=True,
                        text=True, env=env, timeout=900)
-    line = next((l for l in r.stdout.splitlines() if l.startswith("RESULT ")), None)
+    line = next((ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")), None)
     assert r.returncode == 0 and line, (r.stdout + r.stderr)[-4000:]
     res = json.loads(line[len("RESULT "):])
     print(f"{name} {' '.join(args)}: {json.dumps(res)[:600]}")

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from pathlib import Path
 
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
@@ -133,7 +132,7 @@ def build_mcore(cfg, dtype, attention_backend="auto", grouped=None, state_dict=N
 def fast_paths_used(model) -> dict:
     """Which paths the built model takes (None where the attribute does not exist: patch absent)."""
     att = model.decoder.layers[0].self_attention.core_attention
-    moe = [l.mlp.experts for l in model.decoder.layers if hasattr(l.mlp, "experts")]
+    moe = [layer.mlp.experts for layer in model.decoder.layers if hasattr(layer.mlp, "experts")]
     return {"sdpa": getattr(att, "use_sdpa", None),
             "sdpa_reason": getattr(att, "sdpa_reason", None),
             "grouped": getattr(moe[0], "grouped_mm", None) if moe else None,
@@ -378,7 +377,7 @@ def attention_unit(args) -> dict:
 
             with _sdpa_kernel_context(order):
                 out["kernel"] = int(torch._fused_sdp_choice(qb, kb, vb, is_causal=True, scale=scale))
-        except Exception as e:  # informative only
+        except Exception as e:  # noqa: BLE001 - informative only
             out["kernel"] = f"unknown ({type(e).__name__})"
     o = att(q, k, v, None)
     r = ref(q, k, v, scale, causal=True)

@@ -55,7 +55,7 @@ def sp_norm(cfg_dir: str, work: str) -> None:
 
     from dsv3_rl.convert.config_map import Parallel, hf_to_mcore_config
 
-    cfg = hf_to_mcore_config(_config(cfg_dir), Parallel(tp=2, sp=True), dtype=torch.float32)
+    cfg = hf_to_mcore_config(_config(cfg_dir), Parallel(tp=2, etp=1, sp=True), dtype=torch.float32)
     norm = WrappedTorchNorm(cfg, hidden_size=cfg.hidden_size, eps=cfg.layernorm_epsilon)
     assert getattr(norm.weight, "sequence_parallel", False), "norm weight is not marked sequence_parallel"
     print("scenario sp_norm: ok")

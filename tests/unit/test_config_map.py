@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,32 +28,28 @@ from dsv3_rl.convert.config_map import (
 
 # DeepSeek-V3's config.json as published on the hub (rope_scaling + rope_theta), less quantization_config
 # (what the FP8 -> BF16 cast writes).
-DSV3_671B_HUB = {
-    "architectures": ["DeepseekV3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
-    "aux_loss_alpha": 0.001, "bos_token_id": 0, "eos_token_id": 1, "ep_size": 1, "first_k_dense_replace": 3,
-    "hidden_act": "silu", "hidden_size": 7168, "initializer_range": 0.02, "intermediate_size": 18432,
-    "kv_lora_rank": 512, "max_position_embeddings": 163840, "model_type": "deepseek_v3", "moe_intermediate_size": 2048,
-    "moe_layer_freq": 1, "n_group": 8, "n_routed_experts": 256, "n_shared_experts": 1, "norm_topk_prob": True,
-    "num_attention_heads": 128, "num_experts_per_tok": 8, "num_hidden_layers": 61, "num_key_value_heads": 128,
-    "num_nextn_predict_layers": 1, "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
-    "rms_norm_eps": 1e-06,
-    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
-                     "original_max_position_embeddings": 4096, "type": "yarn"},
-    "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "seq_aux": True,
-    "tie_word_embeddings": False, "topk_group": 4, "topk_method": "noaux_tc", "torch_dtype": "bfloat16",
-    "use_cache": True, "v_head_dim": 128, "vocab_size": 129280,
-}
+HUB_CONFIG = Path(__file__).resolve().parents[1] / "assets" / "deepseek_v3_config.json"
+DSV3_671B_HUB = {k: v for k, v in json.loads(HUB_CONFIG.read_text()).items() if k != "quantization_config"}
 
+H, ROPE = DSV3_671B_HUB, DSV3_671B_HUB["rope_scaling"]
+DENSE = H["first_k_dense_replace"]
+# The mapping, HF key -> megatron field, with the values of the hub config (the model facts live in the asset).
 EXPECTED_671B = dict(
-    num_layers=61, hidden_size=7168, ffn_hidden_size=18432, num_attention_heads=128, num_query_groups=128,
-    normalization="RMSNorm", layernorm_epsilon=1e-6, gated_linear_unit=True, add_bias_linear=False, add_qkv_bias=False,
-    multi_latent_attention=True, q_lora_rank=1536, kv_lora_rank=512, qk_head_dim=128, qk_pos_emb_head_dim=64,
-    v_head_dim=128, qk_layernorm=True,
-    rope_type="yarn", rotary_base=10000.0, rotary_scaling_factor=40.0, original_max_position_embeddings=4096,
-    beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0, rotary_percent=1.0,
-    num_moe_experts=256, moe_router_topk=8, moe_ffn_hidden_size=2048, moe_shared_expert_intermediate_size=2048,
-    moe_layer_freq=[0, 0, 0] + [1] * 58, moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
-    moe_router_topk_scaling_factor=2.5, moe_router_num_groups=8, moe_router_group_topk=4, moe_router_pre_softmax=False,
+    num_layers=H["num_hidden_layers"], hidden_size=H["hidden_size"], ffn_hidden_size=H["intermediate_size"],
+    num_attention_heads=H["num_attention_heads"], num_query_groups=H["num_key_value_heads"],
+    normalization="RMSNorm", layernorm_epsilon=H["rms_norm_eps"], gated_linear_unit=True, add_bias_linear=False,
+    add_qkv_bias=False, multi_latent_attention=True, q_lora_rank=H["q_lora_rank"], kv_lora_rank=H["kv_lora_rank"],
+    qk_head_dim=H["qk_nope_head_dim"], qk_pos_emb_head_dim=H["qk_rope_head_dim"], v_head_dim=H["v_head_dim"],
+    qk_layernorm=True,
+    rope_type="yarn", rotary_base=float(H["rope_theta"]), rotary_scaling_factor=float(ROPE["factor"]),
+    original_max_position_embeddings=ROPE["original_max_position_embeddings"], beta_fast=float(ROPE["beta_fast"]),
+    beta_slow=float(ROPE["beta_slow"]), mscale=ROPE["mscale"], mscale_all_dim=ROPE["mscale_all_dim"], rotary_percent=1.0,
+    num_moe_experts=H["n_routed_experts"], moe_router_topk=H["num_experts_per_tok"],
+    moe_ffn_hidden_size=H["moe_intermediate_size"],
+    moe_shared_expert_intermediate_size=H["n_shared_experts"] * H["moe_intermediate_size"],
+    moe_layer_freq=[0] * DENSE + [1] * (H["num_hidden_layers"] - DENSE), moe_router_score_function=H["scoring_func"],
+    moe_router_enable_expert_bias=True, moe_router_topk_scaling_factor=H["routed_scaling_factor"],
+    moe_router_num_groups=H["n_group"], moe_router_group_topk=H["topk_group"], moe_router_pre_softmax=False,
     moe_router_bias_update_rate=0.0, moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
     moe_router_dtype="fp32",
 )
@@ -63,6 +60,9 @@ def test_671b_every_model_field(tmp_path):
     got = {k: kw[k] for k in EXPECTED_671B}
     assert got == EXPECTED_671B, {k: (got[k], v) for k, v in EXPECTED_671B.items() if got[k] != v}
     assert "mtp_num_layers" not in kw  # dropped unless asked
+    # twin: the comparison sees a fact that changes (q_lora_rank and kv_lora_rank swapped in the config)
+    swapped = hf_to_mcore_kwargs(dict(DSV3_671B_HUB, q_lora_rank=H["kv_lora_rank"], kv_lora_rank=H["q_lora_rank"]))
+    assert {k for k in EXPECTED_671B if swapped[k] != EXPECTED_671B[k]} == {"q_lora_rank", "kv_lora_rank"}
     assert hf_to_mcore_kwargs(DSV3_671B_HUB, keep_mtp=True)["mtp_num_layers"] == 1
 
 

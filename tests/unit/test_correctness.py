@@ -177,14 +177,19 @@ def test_tolerances_stated_per_dtype():
 
 # -- layouts and faults -----------------------------------------------------------------------------
 def test_layout_world_and_data_parallel_size():
-    assert layouts.get("ep2").world == 2 and layouts.get("ep2").dp == 2
-    assert layouts.get("tp2_ep2").world == 2 and layouts.get("tp2_ep2").dp == 1
-    assert layouts.get("tp2_sp").seq_parallel and not layouts.get("tp2_nosp").seq_parallel
+    assert layouts.get("ep2").world == 2 and layouts.get("ep2").dp(2) == 2
+    assert layouts.get("tp2_ep2").world == 2 and layouts.get("tp2_ep2").dp(2) == 1
+    assert layouts.get("tp2_sp").sp_ and not layouts.get("tp2_nosp").sp_
+    assert layouts.get("tp2_sp").etp_ == 1 and layouts.get("tp2_etp2").etp_ == 2  # the suite's ETP default is 1
     assert layouts.from_sizes(tp=2).name == "tp2_sp"
     assert layouts.from_sizes(tp=1, pp=2).name == "pp2"
     assert layouts.from_sizes(tp=4, ep=8).world == 8
     with pytest.raises(KeyError, match="allowed"):
         layouts.get("tp3")
+    assert layouts.get("tp=2,ep=2") is layouts.get("tp2_ep2")  # the package's one layout syntax
+    assert layouts.get("tp=4,ep=8").name == "tp4_ep8" and layouts.get("tp=4,ep=8").etp_ == 1
+    with pytest.raises(ValueError, match="unknown key 'tpp'"):
+        layouts.get("tpp=2")
 
 
 def test_weight_faults_edit_what_they_say():

@@ -2,9 +2,8 @@
 reference, every planted fault turns the result into FAIL, the CLI exits 1 on FAIL.
 
 The reference is transformers' DeepseekV3ForCausalLM with the candidate's weights converted by
-``dsv3_rl.convert`` (``reference="hf"``). Until that converter has landed, the same assertions run
-against the single-process megatron model (``reference="mcore"``: layout plumbing and the faults
-that do not need HF) and ``test_converter_is_plugged_in`` is skipped, saying so.
+``dsv3_rl.convert`` (``reference="hf"``), always: a converter that cannot be imported fails these tests
+(it used to switch them silently to the single-process megatron reference).
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ from dsv3_rl.correctness.runner import Candidate, Options, Suite
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(not load_lock()["megatron-core"].path().exists(),
                                 reason="backends not fetched (make setup)")
-REFERENCE = "hf" if bridge.available() else "mcore"
+REFERENCE = "hf"
 FORWARD_SECTIONS = {"MLA", "MOE", "MLP", "Layer", "Final"}
 
 
@@ -37,7 +36,7 @@ EXPECTED = {
     "rope-interleave-false": "HF config expressible in megatron-core",
     "rope-interleave-false-unchecked": "Layer 0 Attention Output",
 }
-FAULTS = [n for n in faults.FAULTS if REFERENCE == "hf" or not faults.FAULTS[n].candidate_ignores_hf_overrides]
+FAULTS = list(faults.FAULTS)
 
 
 @pytest.fixture(scope="module")
@@ -65,9 +64,20 @@ def _failing(r) -> list:
 
 
 def test_converter_is_plugged_in():
-    if not bridge.available():
-        pytest.skip("dsv3_rl.convert has no hf_to_mcore / mcore_to_hf_state_dict yet: HF comparisons pending the converter")
-    assert REFERENCE == "hf"
+    """The suite converts through the project's converter, imported (not looked up): a broken import fails here."""
+    from dsv3_rl.convert import weights
+
+    assert bridge.weights is weights
+    assert callable(weights.hf_to_mcore) and callable(weights.mcore_to_hf)
+
+
+def test_a_broken_converter_fails_the_suite_import(tmp_path):
+    """Twin: with dsv3_rl.convert.weights unimportable, importing the suite's bridge raises (no silent fallback)."""
+    code = ("import sys; sys.modules['dsv3_rl.convert.weights'] = None\n"
+            "try:\n    import dsv3_rl.correctness.bridge\nexcept ImportError as e:\n    print('ImportError', e)\n"
+            "else:\n    print('imported')")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert r.stdout.startswith("ImportError"), r.stdout + r.stderr
 
 
 @pytest.mark.slow
@@ -143,8 +153,6 @@ def test_cli_exit_status_is_1_for_a_planted_fault(work):
 @pytest.mark.slow
 def test_seed_compatible_shell_entry_point(work):
     """`run_mini_deepseek_test.sh cpu TP PP EP ETP` builds a random mini model and PASSes."""
-    if REFERENCE != "hf":
-        pytest.skip("the seed entry points compare against HuggingFace: needs the converter (dsv3_rl.convert)")
     env = {**_env(), "WORK": str(work / "seed"), "PYTHON": sys.executable, "SEQ": "32"}
     r = subprocess.run(["bash", "examples/deepseek_v3/run_mini_deepseek_test.sh", "cpu", "2", "1", "2", "1"],
                        check=False, capture_output=True, text=True, env=env, cwd=REPO, timeout=900)

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from dsv3_rl.checkpoint import hf_config
-from dsv3_rl.checkpoint.hf_config import ConfigError, fix_checkpoint_config, fix_config
+from dsv3_rl.checkpoint.hf_config import ConfigError, fix_config
 
 HUB_CONFIG = Path(__file__).resolve().parents[1] / "assets" / "deepseek_v3_config.json"
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from dsv3_rl.launch import run as launch_run
-from dsv3_rl.launch.presets import REPO, PresetError, list_presets, load_preset
+from dsv3_rl.launch.presets import REPO, list_presets, load_preset
 from dsv3_rl.launch.stages import CONVERT_MANIFEST
 from dsv3_rl.launch.verl_config import VerlConfigError
 

@@ -38,7 +38,7 @@ def run(name: str, *args: str, pythonpath: Path | None = None, cwd: Path | None 
         env["PYTHONPATH"] = f"{pythonpath}{os.pathsep}{env.get('PYTHONPATH', '')}"
     r = subprocess.run([sys.executable, str(SCENARIOS), name, *args], capture_output=True, text=True, env=env,
                        timeout=600, cwd=cwd)
-    line = next((l for l in r.stdout.splitlines() if l.startswith("RESULT ")), None)
+    line = next((ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")), None)
     assert r.returncode == 0 and line, (r.stdout + r.stderr)[-4000:]
     return json.loads(line[len("RESULT "):])
 

@@ -1,4 +1,4 @@
-"""MLA fused-attention guard (megatron-core patch 0011): the decision function across TE/cuDNN/GPU
+"""MLA fused-attention guard (``dsv3_rl.mcore.mla_attention_guard``, hooked into megatron-core by patch 0011): the decision function across TE/cuDNN/GPU
 combinations (CPU, no TE needed), its planted-fault twin, and the integration into GPTModel
 construction (with the runtime versions faked) plus the twin with the patch reverted."""
 
@@ -7,7 +7,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
@@ -20,7 +19,7 @@ PATCH = "0011-mla-fused-attention-guard.patch"
 
 @pytest.fixture(scope="module")
 def guard():
-    from megatron.core.transformer import mla_attention_guard
+    from dsv3_rl.mcore import mla_attention_guard
 
     return mla_attention_guard
 
@@ -143,12 +142,9 @@ SCENARIO = textwrap.dedent(r"""
     from dsv3_rl.convert.config_map import Parallel
     from dsv3_rl.mcore import runtime
     from megatron.core.transformer.enums import AttnBackend
-    try:
-        from megatron.core.transformer import mla_attention_guard as g
-        g.runtime_versions = lambda: {"te_version": "2.7.0", "cudnn_version": cudnn,
-                                      "compute_capability": (9, 0), "flash_attn_3": False}
-    except ImportError:
-        pass
+    from dsv3_rl.mcore import mla_attention_guard as g  # the guard; patch 0011 adds only megatron's calls to it
+    g.runtime_versions = lambda: {"te_version": "2.7.0", "cudnn_version": cudnn,
+                                  "compute_capability": (9, 0), "flash_attn_3": False}
     cfg = hf_config("tiny", {"qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128})
     runtime.init_distributed(Parallel())
     out = {}
@@ -183,7 +179,7 @@ def _scenario(tmp_path, cudnn, backend, pythonpath=None):
         env["PYTHONPATH"] = f"{pythonpath}{os.pathsep}{env.get('PYTHONPATH', '')}"
     r = subprocess.run([sys.executable, str(script), str(port), cudnn, backend], capture_output=True, text=True,
                        env=env, timeout=300, cwd=tmp_path)
-    line = next((l for l in r.stdout.splitlines() if l.startswith("RESULT ")), None)
+    line = next((ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")), None)
     assert line, r.stderr[-3000:]
     return json.loads(line[len("RESULT "):])
 

@@ -78,12 +78,14 @@ def test_tiny_vllm_preset_values():
 
 
 def test_proxy_preset_values():
+    """DeepSeek-V3's real layer dims (read from the hub config.json asset), fewer layers and experts."""
     k = presets.PRESETS["proxy"]
-    assert _diff(k, dict(hidden_size=7168, num_attention_heads=128, q_lora_rank=1536, kv_lora_rank=512,
-                         qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, intermediate_size=18432,
-                         moe_intermediate_size=2048, vocab_size=129280, num_hidden_layers=4,
-                         first_k_dense_replace=1, n_routed_experts=16, num_experts_per_tok=8,
-                         n_shared_experts=1, n_group=8, topk_group=4)) == {}
+    hub = json.loads(HUB_CONFIG.read_text())
+    dims = ("hidden_size", "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+            "v_head_dim", "intermediate_size", "moe_intermediate_size", "vocab_size", "num_experts_per_tok",
+            "n_shared_experts", "n_group", "topk_group")
+    assert _diff(k, {**{d: hub[d] for d in dims}, "num_hidden_layers": 4, "first_k_dense_replace": 1,
+                     "n_routed_experts": 16}) == {}
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-vllm", "proxy", "deepseek-v3"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import io
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from dsv3_rl import patching
-from dsv3_rl.backends import HashMismatchError, fetch, load_lock, sha256_file
+from dsv3_rl.backends import BackendError, HashMismatchError, fetch, load_lock, sha256_file
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -65,8 +66,10 @@ def fake(tmp_path):
     (root / "backends").mkdir(parents=True)
     sdist = tmp_path / "fakepkg-1.0.tar.gz"
     digest = _make_sdist(sdist)
-    (root / "backends.lock").write_text(
-        f'[fakepkg]\nversion = "1.0"\nsdist = "fakepkg-1.0.tar.gz"\nsha256 = "{digest}"\nurl = "{sdist.as_uri()}"\n')
+    (root / "backends.lock").write_text(f'[fakepkg]\nversion = "1.0"\nsha256 = "{digest}"\n')
+    # what `pip download fakepkg==1.0 --no-deps --no-binary :all:` would have left in the cache
+    (root / "backends" / ".cache").mkdir()
+    shutil.copy(sdist, root / "backends" / ".cache" / "fakepkg-1.0.tar.gz")
     pdir = root / "patches" / "fakepkg" / "1.0"
     pdir.mkdir(parents=True)
     (pdir / "0001-bump-f.patch").write_text(PATCH_TEMPLATE.format(desc="Bump f.", diff=DIFF_F))
@@ -107,6 +110,60 @@ def test_hash_mismatch_names_file_and_both_hashes(fake, tmp_path):
         fetch(backend, other_root, quiet=True)
     msg = str(e.value)
     assert backend.sdist in msg and backend.sha256 in msg and bad in msg
+
+
+@pytest.mark.parametrize("table,match", [
+    ('version = "1.0"\nsha256 = "%s"\nurl = "https://example.org/fakepkg-1.0.tar.gz"',
+     r"\[fakepkg\] has unknown key\(s\) \['url'\]; allowed: \['version', 'sha256', 'git_url', 'git_tag', 'git_commit'\]"),
+    ('version = "1.0"', r"\[fakepkg\] is missing \['sha256'\]"),
+    ('version = "1.0"\nsha256 = "abc"', r"\[fakepkg\] sha256='abc' is not a sha256"),
+])
+def test_lock_schema_errors_are_one_line_naming_the_key(tmp_path, table, match):
+    ok = tmp_path / "ok.lock"
+    ok.write_text('[fakepkg]\nversion = "1.0"\nsha256 = "%s"\n' % ("0" * 64))
+    assert load_lock(ok)["fakepkg"].sdist == "fakepkg-1.0.tar.gz"  # twin: a clean table loads
+    bad = tmp_path / "bad.lock"
+    bad.write_text("[fakepkg]\n" + (table % ("0" * 64) if "%s" in table else table) + "\n")
+    with pytest.raises(BackendError, match=match) as e:
+        load_lock(bad)
+    assert "\n" not in str(e.value)
+
+
+def test_the_real_lock_names_packages_not_hosts():
+    text = (REPO / "backends.lock").read_text()
+    assert "://" not in "".join(ln.split("#")[0] for ln in text.splitlines() if not ln.startswith("git_url"))
+    lock = load_lock(REPO / "backends.lock")
+    assert {b.sdist for b in lock.values()} == {"megatron_core-0.16.1.tar.gz", "verl-0.9.1.tar.gz"}
+
+
+def test_fetch_downloads_by_name_and_version_with_pip_and_checks_the_hash(tmp_path, monkeypatch):
+    """fetch runs `pip download NAME==VERSION --no-deps --no-binary :all:` (faked here: it copies a local sdist)
+    and checks the hash; a download whose bytes differ from the lock stops with both hashes."""
+    from dsv3_rl import backends
+
+    sdist = tmp_path / "src" / "fake_pkg-1.0.tar.gz"
+    sdist.parent.mkdir()
+    digest = _make_sdist(sdist)
+    calls = []
+
+    def fake_pip(cmd, **kw):
+        calls.append(cmd)
+        shutil.copy(sdist, Path(cmd[cmd.index("-d") + 1]) / sdist.name)
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(backends.subprocess, "run", fake_pip)
+    b = backends.Backend(name="fake-pkg", version="1.0", sha256=digest)
+    got = backends._download(b, tmp_path)
+    assert calls[0][2:] == ["pip", "download", "--no-deps", "--no-binary", ":all:", "-d", calls[0][8], "fake-pkg==1.0"]
+    assert got == tmp_path / "fake_pkg-1.0.tar.gz" and sha256_file(got) == digest
+    monkeypatch.undo()
+    monkeypatch.setattr(backends.subprocess, "run", fake_pip)
+    root = tmp_path / "root"
+    (root / "backends").mkdir(parents=True)
+    wrong = backends.Backend(name="fake-pkg", version="1.0", sha256="1" * 64)  # twin: the pin differs
+    with pytest.raises(HashMismatchError, match=f"pins {'1' * 64}, the file has {digest}"):
+        fetch(wrong, root, quiet=True)
+    assert not wrong.path(root).exists()
 
 
 def test_apply_is_idempotent_and_revert_restores_pristine_bytes(fake):

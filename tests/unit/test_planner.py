@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 
@@ -31,8 +32,9 @@ def test_671b_counts():
 
 
 def _hf_param_count(cfg: dict) -> int:
-    transformers = pytest.importorskip("transformers")
-    torch = pytest.importorskip("torch")
+    import torch
+    import transformers
+
     with torch.device("meta"):
         model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**cfg))
     return sum(p.numel() for p in model.parameters())
@@ -51,7 +53,6 @@ def test_count_planted_fault_is_caught():
 
 
 def test_load_model_sources(tmp_path):
-    pytest.importorskip("transformers")
     import transformers
 
     p = tmp_path / "config.json"
@@ -61,13 +62,29 @@ def test_load_model_sources(tmp_path):
     d = load_model(transformers.DeepseekV3Config(**TINY_HF))
     assert dataclasses.replace(a, name="x") == dataclasses.replace(b, name="x") == dataclasses.replace(c, name="x") \
         == dataclasses.replace(d, name="x")
-    assert load_model("deepseek-v3").num_layers == 61
+    hub = load_model(Path(__file__).resolve().parents[1] / "assets" / "deepseek_v3_config.json")
+    assert dataclasses.replace(load_model("deepseek-v3"), name="x") == dataclasses.replace(hub, name="x")
+    assert load_model("671b").num_layers == hub.num_layers == 61
     with pytest.raises(ValueError, match="unknown model preset 'nope'.*671b"):
         load_model("nope")
     with pytest.raises(ValueError, match="lacks required key"):
         load_model({"hidden_size": 8})
     with pytest.raises(FileNotFoundError):
         load_model(str(tmp_path / "missing.json"))
+
+
+def test_model_presets_are_the_only_source(monkeypatch):
+    """The planner reads dsv3_rl.models.presets and has no copy of its own: a preset taken away there is
+    unknown to the planner (it used to fall back to a built-in 671B)."""
+    from dsv3_rl.models import presets
+    from dsv3_rl.planner import model as planner_model
+
+    assert load_model("671b").hidden == presets.PRESETS["deepseek-v3"]["hidden_size"]  # twin: present, found
+    monkeypatch.setattr(planner_model, "_SPEC_CACHE", {})
+    monkeypatch.delitem(presets.PRESETS, "deepseek-v3")
+    with pytest.raises(ValueError, match="unknown model preset '671b'"):
+        load_model("671b")
+    assert not hasattr(planner_model, "_FALLBACK_PRESETS")
 
 
 # --- pipeline split -------------------------------------------------------------------------
@@ -170,8 +187,8 @@ def test_vpp_microbatch_rule():
 
 
 def test_option_rules():
-    v = _rules(Layout(tp=1, pp=1, ep=1, recompute="selective", recompute_modules=("moe_act",)), moe_grouped_gemm=False,
-               dispatcher="flex")
+    v = _rules(Layout(tp=1, pp=1, ep=1, recompute="selective", recompute_modules=("moe_act",), dispatcher="flex"),
+               moe_grouped_gemm=False)
     rules = {x.rule for x in v}
     assert {"mcore.moe_act_needs_grouped_gemm", "mcore.flex_needs_tp_ep"} <= rules
 
@@ -234,6 +251,27 @@ def test_verl_96xh20_close_to_reported():
     assert ev.memory.pp_rank == 11  # the 6-layer last stage with the logits
     assert "actor_rollout_ref.rollout.tensor_model_parallel_size=32" in ev.overrides
     assert "+actor_rollout_ref.actor.megatron.override_transformer_config.num_layers_in_last_pipeline_stage=6" in ev.overrides
+
+
+def test_planner_overrides_compose_in_verl():
+    """The planner's overrides go through the launcher's emitter: verl composes them as printed (``+`` exactly
+    where its config lacks the key), and a key verl does not have is refused by name."""
+    from dsv3_rl.launch.overrides import to_overrides
+    from dsv3_rl.launch.presets import PresetError
+    from dsv3_rl.launch.verl_config import base_config, compose, select
+    from dsv3_rl.planner.report import verl_tree
+
+    case = get("verl_96xH20")
+    _, _, ev = run_case(case)
+    cfg = compose("ppo_megatron_trainer", ev.overrides)
+    otc = "actor_rollout_ref.actor.megatron.override_transformer_config"
+    assert select(cfg, f"{otc}.num_layers_in_last_pipeline_stage") == 6
+    assert select(cfg, "actor_rollout_ref.rollout.tensor_model_parallel_size") == 32
+    assert select(cfg, f"{otc}.recompute_granularity") == "full"
+    tree = verl_tree(ev, load_model(case.model), case.cluster, case.grpo, case.options)
+    tree["actor_rollout_ref"]["actor"]["megatron"]["grad_offload"] = True  # twin: not a verl 0.9.1 key
+    with pytest.raises(PresetError, match="grad_offload"):
+        to_overrides(tree, base_config(), "planner")
 
 
 def test_671b_on_8xh100_infeasible_with_reason():

@@ -17,14 +17,13 @@ from __future__ import annotations
 import contextlib
 import os
 
+import megatron.core  # noqa: F401 - imported, not skipped: a broken megatron install fails here
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("megatron.core")
-
-from dsv3_rl.planner.memory import layer_activation, logits_bytes_per_token  # noqa: E402
-from dsv3_rl.planner.model import ModelSpec  # noqa: E402
-from dsv3_rl.planner.spec import Layout, Options  # noqa: E402
+from dsv3_rl.planner.memory import layer_activation, logits_bytes_per_token
+from dsv3_rl.planner.model import ModelSpec
+from dsv3_rl.planner.spec import Layout, Options
 
 TINY = dict(model_type="deepseek_v3", vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=48,
             num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,

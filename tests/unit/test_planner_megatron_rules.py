@@ -9,14 +9,13 @@ from __future__ import annotations
 import itertools
 from unittest import mock
 
+import megatron.core  # noqa: F401 - imported, not skipped: a broken megatron install fails here
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("megatron.core")
-
-from dsv3_rl.planner.pipeline import balanced_layout, split_layers  # noqa: E402
-from dsv3_rl.planner.rules import trainer_rules  # noqa: E402
-from dsv3_rl.planner.spec import GRPOShape, Layout, Options  # noqa: E402
+from dsv3_rl.planner.pipeline import balanced_layout, split_layers
+from dsv3_rl.planner.rules import trainer_rules
+from dsv3_rl.planner.spec import GRPOShape, Layout, Options
 
 
 def megatron_split(num_layers, pp, vpp, first=None, last=None, acc_emb=False, acc_loss=False, layout=None):

@@ -1,5 +1,5 @@
 """Planner predictions vs measured peak memory of real megatron-core training steps
-(``bench/measure_train_memory.py``), kept under tests/assets/planner/.
+(``dsv3_rl.planner.measure``, run as ``bench/measure_train_memory.py``), kept under tests/assets/planner/.
 
 * ``measured_gpu.jsonl``: the GPU set (one H200, 2026-11-22; core attention through torch SDPA,
   patch 0012's default without TE). Rows measured on CUDA must be within 15% of the planner;
@@ -16,19 +16,18 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
+from dsv3_rl.planner import measure
 from dsv3_rl.planner.validation import bench_setup, load_measurements, predict_row, row_attention
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets" / "planner"
 GPU = ASSETS / "measured_gpu.jsonl"
 GPU_ACT = ASSETS / "measured_gpu_act.jsonl"
 CPU = ASSETS / "cpu_emulated_smoke.jsonl"
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "measure_train_memory.py"
 TOLERANCE = 0.15
 
 
@@ -150,16 +149,16 @@ def test_row_attention_rejects_what_is_not_modelled():
 
 
 def test_bench_reads_the_sdpa_kernel_off_the_graph():
-    torch = pytest.importorskip("torch")
-    bench = _bench()
+    import torch
+
     q = torch.randn(1, 2, 8, 16, requires_grad=True)
     out = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)  # fused CPU kernel
-    assert bench._attention_kernel(out.permute(2, 0, 1, 3).reshape(8, 1, 32)) == "flash_cpu"
+    assert measure._attention_kernel(out.permute(2, 0, 1, 3).reshape(8, 1, 32)) == "flash_cpu"
     v = torch.randn(1, 2, 8, 8, requires_grad=True)  # unequal head dims: torch's math fallback on CPU
     out = torch.nn.functional.scaled_dot_product_attention(q, q, v, is_causal=True)
-    assert bench._attention_kernel(out) == "math"
+    assert measure._attention_kernel(out) == "math"
     with torch.no_grad():
-        assert bench._attention_kernel(torch.nn.functional.scaled_dot_product_attention(q, q, q)) is None
+        assert measure._attention_kernel(torch.nn.functional.scaled_dot_product_attention(q, q, q)) is None
 
 
 def test_cpu_emulated_within_10_percent():
@@ -179,33 +178,23 @@ def test_planted_fault_scaled_prediction_fails_the_check():
     assert any(abs(e) > TOLERANCE for e in errors)
 
 
-def _bench():
-    spec = importlib.util.spec_from_file_location("measure_train_memory", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_bench_lists_configs_and_predicts(tmp_path, capsys):
-    bench = _bench()
-    assert bench.main(["--list"]) == 0
+    assert measure.main(["--list"]) == 0
     out = tmp_path / "pred.jsonl"
-    assert bench.main(["--predict-only", "--out", str(out)]) == 0
+    assert measure.main(["--predict-only", "--out", str(out)]) == 0
     rows = load_measurements(out)
-    assert len(rows) == len(bench.GPU_SET) and all(r["measured"] is None and r["planner_predicted_allocated"] for r in rows)
-    assert bench.main(["--set", "gpu", "--only", "nope", "--predict-only"]) == 0  # --only filters, nothing to do
-    assert bench.main(["--only", "nope", "--device", "cpu"]) == 2
+    assert len(rows) == len(measure.GPU_SET) and all(r["measured"] is None and r["planner_predicted_allocated"] for r in rows)
+    assert measure.main(["--set", "gpu", "--only", "nope", "--predict-only"]) == 0  # --only filters, nothing to do
+    assert measure.main(["--only", "nope", "--device", "cpu"]) == 2
     assert "not in set" in capsys.readouterr().err
 
 
 @pytest.mark.slow
 def test_bench_cpu_reproduces_asset(tmp_path):
     """Re-run one CPU config through the real megatron-core step and match the stored row."""
-    pytest.importorskip("megatron.core")
-    bench = _bench()
     name = "tiny-L3-E8-s256-none"
     out = tmp_path / "row.jsonl"
-    assert bench.main(["--set", "cpu-smoke", "--only", name, "--device", "cpu", "--out", str(out)]) == 0
+    assert measure.main(["--set", "cpu-smoke", "--only", name, "--device", "cpu", "--out", str(out)]) == 0
     new = load_measurements(out)[0]
     old = next(r for r in load_measurements(CPU) if r["name"] == name)
     assert abs(new["peak_allocated"] / old["peak_allocated"] - 1) < 0.02
@@ -215,11 +204,9 @@ def test_bench_cpu_reproduces_asset(tmp_path):
 @pytest.mark.slow
 def test_bench_one_process_per_config_matches_in_process(tmp_path):
     """The per-config child processes (the CUDA default, --isolate on CPU) give the stored rows."""
-    pytest.importorskip("megatron.core")
-    bench = _bench()
     names = ["tiny-L3-E8-s256-none", "tiny-L3-E16-s256-selmoe"]
     out = tmp_path / "rows.jsonl"
-    assert bench.main(["--set", "cpu-smoke", "--only", ",".join(names), "--device", "cpu", "--isolate",
+    assert measure.main(["--set", "cpu-smoke", "--only", ",".join(names), "--device", "cpu", "--isolate",
                        "--out", str(out)]) == 0
     new = {r["name"]: r for r in load_measurements(out)}
     old = {r["name"]: r for r in load_measurements(CPU)}

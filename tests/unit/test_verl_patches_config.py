@@ -36,21 +36,8 @@ pytestmark = pytest.mark.skipif(not (VERL.path().exists() and MCORE.path().exist
 # DeepSeek-V3 / V3-0324 / R1 config.json as published (hub format: rope_scaling + rope_theta), as the
 # FP8 -> BF16 cast leaves it (no quantization_config) and with num_nextn_predict_layers=0, which
 # verl's own assertion asks for ("MTP is not supported for now").
-DSV3_671B = {
-    "architectures": ["DeepseekV3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
-    "aux_loss_alpha": 0.001, "bos_token_id": 0, "eos_token_id": 1, "ep_size": 1, "first_k_dense_replace": 3,
-    "hidden_act": "silu", "hidden_size": 7168, "initializer_range": 0.02, "intermediate_size": 18432,
-    "kv_lora_rank": 512, "max_position_embeddings": 163840, "model_type": "deepseek_v3", "moe_intermediate_size": 2048,
-    "moe_layer_freq": 1, "n_group": 8, "n_routed_experts": 256, "n_shared_experts": 1, "norm_topk_prob": True,
-    "num_attention_heads": 128, "num_experts_per_tok": 8, "num_hidden_layers": 61, "num_key_value_heads": 128,
-    "num_nextn_predict_layers": 0, "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
-    "rms_norm_eps": 1e-06,
-    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
-                     "original_max_position_embeddings": 4096, "type": "yarn"},
-    "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "seq_aux": True,
-    "tie_word_embeddings": False, "topk_group": 4, "topk_method": "noaux_tc", "torch_dtype": "bfloat16",
-    "use_cache": True, "v_head_dim": 128, "vocab_size": 129280,
-}
+DSV3_671B = {**{k: v for k, v in json.loads((REPO / "tests" / "assets" / "deepseek_v3_config.json").read_text()).items()
+                if k not in ("quantization_config", "auto_map")}, "num_nextn_predict_layers": 0}
 
 # Fields owned by the model mapping (dsv3_rl.convert.config_map); verl sets the engine ones.
 MAPPED = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "layernorm_epsilon",
@@ -101,19 +88,14 @@ def verl_dpskv3(hf_config, **overrides):
 
 def test_verl_dpskv3_config_real_671b(megatron_single, tmp_path):
     tc = verl_dpskv3(hf_config_from_json(tmp_path, DSV3_671B))
-    want = dict(
-        num_layers=61, hidden_size=7168, ffn_hidden_size=18432, num_attention_heads=128, q_lora_rank=1536,
-        kv_lora_rank=512, qk_head_dim=128, qk_pos_emb_head_dim=64, v_head_dim=128, qk_layernorm=True,
-        rope_type="yarn", rotary_base=10000.0, rotary_scaling_factor=40.0, original_max_position_embeddings=4096,
-        beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0, layernorm_epsilon=1e-6,
-        num_moe_experts=256, moe_router_topk=8, moe_ffn_hidden_size=2048, moe_shared_expert_intermediate_size=2048,
-        moe_layer_freq=[0] * 3 + [1] * 58, moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
-        moe_router_topk_scaling_factor=2.5, moe_router_num_groups=8, moe_router_group_topk=4,
-        moe_router_bias_update_rate=0.0, moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
-        moe_router_dtype="fp32", mtp_num_layers=0,
-        # verl's engine settings are kept
-        moe_grouped_gemm=True, variable_seq_lengths=True, bias_activation_fusion=True,
-    )
+    from dsv3_rl.convert.config_map import hf_to_mcore_kwargs
+
+    # the project's mapping of the hub config (pinned field by field in test_config_map.py), and verl's
+    # engine settings kept
+    ref = hf_to_mcore_kwargs(DSV3_671B, dtype=torch.bfloat16)
+    want = {**{k: ref[k] for k in MAPPED}, "mtp_num_layers": 0, "moe_grouped_gemm": True, "variable_seq_lengths": True,
+            "bias_activation_fusion": True}
+    assert want["num_layers"] == DSV3_671B["num_hidden_layers"] and want["moe_router_group_topk"] == DSV3_671B["topk_group"]
     got = {k: getattr(tc, k) for k in want}
     assert got == want, {k: (got[k], want[k]) for k in want if got[k] != want[k]}
 

@@ -13,10 +13,11 @@
 # MASTER_PORT (torchrun's; PAI-DLC/Slurm launchers set them). SAVE_DIR must be on a filesystem every
 # node sees. Extra flags for python -m dsv3_rl.convert go in CONVERT_ARGS (e.g. "--keep-mtp").
 # DRY_RUN=1 validates the config and prints the mapping and the command without converting.
+# PYTHON: the interpreter (default: the project's .venv when no virtualenv is active).
 set -euo pipefail
 
 if [ $# -lt 6 ]; then
-    sed -n '2,16p' "$0" >&2
+    sed -n '2,17p' "$0" >&2
     exit 2
 fi
 MODEL_SIZE=$1 LOAD_DIR=$2 SAVE_DIR=$3 MG2HF=$4 USE_CUDA=$5 PR=$6 HF_DIR=${7:-}
@@ -33,7 +34,12 @@ ARGS+=(--dtype "$PR" --model-size "$MODEL_SIZE")
 # shellcheck disable=SC2206
 ARGS+=(${CONVERT_ARGS:-})
 
-PYTHON=${PYTHON:-python}
+# $PYTHON if set; else the active virtualenv's python; else the project's .venv (make setup), so the
+# script works from a fresh shell; else python on PATH.
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../../../.." && pwd)
+if [ -z "${PYTHON:-}" ]; then
+    if [ -z "${VIRTUAL_ENV:-}" ] && [ -x "$REPO/.venv/bin/python" ]; then PYTHON=$REPO/.venv/bin/python; else PYTHON=python; fi
+fi
 NPROC_PER_NODE=${NPROC_PER_NODE:-1}
 NNODES=${NNODES:-1}
 export TORCHDYNAMO_DISABLE=${TORCHDYNAMO_DISABLE:-1}
