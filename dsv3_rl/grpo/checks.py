@@ -26,6 +26,7 @@ import json
 import math
 from pathlib import Path
 from typing import Any
+from dsv3_rl.errors import Dsv3Error
 
 # verl metric names (verl 0.9.1, trainer/ppo/metric_utils.py and utils/debug/metrics.py)
 REWARD_KEYS = ("critic/score/mean", "critic/rewards/mean")
@@ -34,15 +35,22 @@ PROB_DIFF_MAX = "training/rollout_probs_diff_max"
 PROB_DIFF_MEAN = "training/rollout_probs_diff_mean"
 PEARSON = "training/rollout_actor_probs_pearson_corr"
 
+#: suffix of the R3 route-agreement metric of verl's Megatron engine (verl patch 0023; verl prefixes it)
+ROUTE_AGREEMENT = "router_replay/route_agreement"
+#: verl's rollout MoE load metrics found routes in the batch (1.0) or not (0.0)
+MOE_ROUTES_FOUND = "rollout/moe/routed_experts_found"
+
 DEFAULT_TOLERANCES = {
     "rollout_vs_trainer_prob_diff_mean_max": 0.03,
+    # R3: fraction of vLLM's (token, MoE layer) routes that the trainer's router picks too (demo: >= 0.97)
+    "route_agreement_min": 0.9,
     "rollout_vs_trainer_pearson_min": 0.97,
     "min_weight_change": 1e-6,
     "learning": None,
 }
 
 
-class CheckError(RuntimeError):
+class CheckError(Dsv3Error, RuntimeError):
     """The run's outputs are missing or unreadable (the message names the file)."""
 
 
@@ -158,7 +166,7 @@ def check_metrics(steps: list[dict[str, Any]], expected_steps: int, tol: dict[st
     lim, rmin = tol["rollout_vs_trainer_prob_diff_mean_max"], tol["rollout_vs_trainer_pearson_min"]
     worst = []
     for s in train:
-        m, d, r = s.get(PROB_DIFF_MEAN), s.get(PROB_DIFF_MAX), s.get(PEARSON)
+        m, r = s.get(PROB_DIFF_MEAN), s.get(PEARSON)
         if not (_finite(m) and _finite(r) and m <= lim and r >= rmin):
             worst.append(f"step {s['step']}: mean {m if m is None else f'{m:.3g}'}, pearson {r if r is None else f'{r:.4f}'}")
     means = [s.get(PROB_DIFF_MEAN) for s in train if _finite(s.get(PROB_DIFF_MEAN))]
@@ -168,10 +176,35 @@ def check_metrics(steps: list[dict[str, Any]], expected_steps: int, tol: dict[st
                      ("; ".join(worst[:4]) + f" (limits: mean |p_vllm - p_megatron| <= {lim}, pearson >= {rmin})") if worst else
                      f"mean |p_vllm - p_megatron| <= {max(means):.3g} (<= {lim}), pearson >= {min(rs):.4f} (>= {rmin}) "
                      f"at all {len(train)} steps; max per token {max(maxes):.2g}"))
+    if tol.get("router_replay") == "R3":
+        out.append(check_router_replay(train, float(tol["route_agreement_min"])))
     learning = tol.get("learning")
     if learning:
         out.append(check_learning(steps, learning))
     return out
+
+
+def route_agreement(step: dict[str, Any]) -> float | None:
+    """Fraction of replayed (token, MoE layer) routes the trainer's router would have chosen itself (R3 only)."""
+    return next((float(v) for k, v in step.items() if k.endswith(ROUTE_AGREEMENT) and _finite(v)), None)
+
+
+def check_router_replay(train: list[dict[str, Any]], agreement_min: float) -> Check:
+    """R3: every training step replayed vLLM's routes (verl found them in the batch) and the trainer's own router
+    agreed with at least ``agreement_min`` of them."""
+    bad, vals = [], []
+    for s in train:
+        a, found = route_agreement(s), s.get(MOE_ROUTES_FOUND)
+        if a is None or found != 1.0 or a < agreement_min:
+            bad.append(f"step {s['step']}: route agreement {a if a is None else f'{a:.4f}'}, "
+                       f"{MOE_ROUTES_FOUND}={found}")
+        else:
+            vals.append(a)
+    if bad or not train:
+        return Check("router replay (R3)", False, "; ".join(bad[:4]) + f" (need vLLM's routes in every step and "
+                     f"agreement >= {agreement_min}; docs/consistency.md)" if bad else "no training step")
+    return Check("router replay (R3)", True, f"vLLM's routes replayed at all {len(train)} steps; trainer's router "
+                 f"agreed on {min(vals):.4f}-{max(vals):.4f} of them (>= {agreement_min})")
 
 
 def check_learning(steps: list[dict[str, Any]], learning: dict[str, Any]) -> Check:

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from dsv3_rl.data.common import write_bytes_atomic
-from dsv3_rl.grpo.checks import PROB_DIFF_MAX, PROB_DIFF_MEAN, REWARD_KEYS, CheckError, read_metrics
+from dsv3_rl.grpo.checks import (PROB_DIFF_MAX, PROB_DIFF_MEAN, REWARD_KEYS, CheckError, read_metrics,
+                                 route_agreement)
 
 # verl metric names (verl 0.9.1, trainer/ppo/metric_utils.py); the reward and prob-diff names live in checks
 RESPONSE_LENGTH = "response_length/mean"
@@ -53,6 +54,10 @@ def val_reward(step: dict) -> float | None:
     return None
 
 
+#: verl's rollout MoE load metrics, one per layer (rollout.moe_load_balance_metrics_interval, R3 on)
+MOE_MAX_VIO = "rollout/moe/max_vio/layer_"
+
+
 def _fmt(x: float | None, spec: str) -> str:
     return "n/a" if x is None else format(x, spec)
 
@@ -74,6 +79,9 @@ def progress_line(step: dict, total: int) -> str:
               f"|p_vllm-p_mcore| mean {_fmt(_num(step.get(PROB_DIFF_MEAN)), '.1e')} "
               f"max {_fmt(_num(step.get(PROB_DIFF_MAX)), '.1e')}",
               f"{_fmt(_num(step.get(STEP_TIME)), '.1f')} s/step"]
+    agree = route_agreement(step)
+    if agree is not None:
+        parts.insert(-1, f"routes agree {agree:.3f}")
     return "  ".join(parts)
 
 
@@ -212,10 +220,12 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
-def write_plots(steps: list[dict], out_dir: Path) -> list[Path]:
+def write_plots(steps: list[dict], out_dir: Path, dense_layers: int = 0) -> list[Path]:
     """``reward.png`` (train reward and validation reward per step, mean response length on a right axis)
     and ``consistency.png`` (max and mean |p_vllm - p_mcore| per step, log scale) under ``out_dir``, each
-    written atomically; a plot without any value says "no data" instead. Returns the two paths."""
+    written atomically; a plot without any value says "no data" instead. With verl's rollout MoE load
+    metrics in the steps (R3) also ``expert_load.png`` (max_vio per layer and step; the first ``dense_layers``
+    layers, DeepSeek-V3's ``first_k_dense_replace``, route nothing and are left out). Returns the paths."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -278,6 +288,27 @@ def write_plots(steps: list[dict], out_dir: Path) -> list[Path]:
         written.append(_save(fig, out_dir / "consistency.png"))
     finally:
         plt.close(fig)
+
+    layers = sorted({int(k[len(MOE_MAX_VIO):]) for s in steps for k in s if k.startswith(MOE_MAX_VIO)
+                     and k[len(MOE_MAX_VIO):].isdigit() and int(k[len(MOE_MAX_VIO):]) >= dense_layers})
+    moe_steps = [s for s in steps if any(f"{MOE_MAX_VIO}{i}" in s for i in layers)]
+    if layers and moe_steps:
+        import numpy as np
+
+        grid = np.array([[_num(s.get(f"{MOE_MAX_VIO}{i}")) if _num(s.get(f"{MOE_MAX_VIO}{i}")) is not None else np.nan
+                          for s in moe_steps] for i in layers], dtype=float)
+        fig, ax = plt.subplots(figsize=(8, 1.2 + 0.45 * len(layers)), layout="constrained")
+        try:
+            im = ax.imshow(grid, aspect="auto", cmap="magma", interpolation="nearest")
+            ax.set_title("expert load per MoE layer and step: max_vio = busiest expert's share x experts - 1 "
+                         "(0 = balanced)", fontsize=9)
+            ax.set_yticks(range(len(layers)), [f"layer {i}" for i in layers])
+            ax.set_xticks(range(len(moe_steps)), [str(s["step"]) for s in moe_steps])
+            ax.set_xlabel("step")
+            fig.colorbar(im, ax=ax, label="max_vio")
+            written.append(_save(fig, out_dir / "expert_load.png"))
+        finally:
+            plt.close(fig)
     return written
 
 

@@ -1,7 +1,7 @@
 """Run presets: small YAML files under ``examples/deepseek_v3/presets/``, one per model x hardware.
 
 A preset names its model (facts live in :mod:`dsv3_rl.models.presets`), its hardware, a trainer
-``layout`` (the fields of :class:`dsv3_rl.planner.Layout`), a ``rollout`` layout, the RL ``router``
+``layout`` (the fields of :class:`dsv3_rl.layout.Layout`), a ``rollout`` layout, the RL ``router``
 settings, the ``rollout_correction`` mode (:mod:`dsv3_rl.launch.rollout_correction`) and anything else as
 ``verl`` keys in verl's own config tree. ``extends`` pulls in shared
 files (``_grpo_math.yaml``); files whose name starts with ``_`` are bases, not runnable presets.
@@ -15,17 +15,22 @@ import copy
 import dataclasses
 import difflib
 import os
+import typing
 from pathlib import Path
 from typing import Any
 
-from dsv3_rl.launch import rollout_correction
+import pydantic
+
+from dsv3_rl.errors import Dsv3Error
+from dsv3_rl.launch import rollout_correction, router_replay
+from dsv3_rl.layout import RECOMPUTE, Layout
 
 REPO = Path(__file__).resolve().parents[2]
 PRESET_DIR = REPO / "examples" / "deepseek_v3" / "presets"
 ENV_DIR = REPO / "examples" / "deepseek_v3" / "env"
 
 
-class PresetError(ValueError):
+class PresetError(Dsv3Error, ValueError):
     """A preset (or an override of it) is wrong; the message names the file and the key."""
 
 
@@ -36,32 +41,51 @@ def close(word: str, choices, n: int = 3) -> str:
 
 # -------------------------------------------------------------------------------------- schema
 
-LAYOUT_KEYS = (
-    "tp", "pp", "ep", "etp", "vpp", "cp", "sp", "pipeline_layout", "first_stage_layers", "last_stage_layers",
-    "account_for_embedding", "account_for_loss", "recompute", "recompute_modules", "recompute_method",
-    "recompute_num_layers",
-)
-ROLLOUT_KEYS = ("name", "tp", "dp", "ep", "gpu_memory_utilization")
-ROUTER_KEYS = ("bias_update_rate", "load_balancing_type", "aux_loss_coeff", "router_dtype")
-HARDWARE_KEYS = ("gpu", "nodes", "gpus_per_node", "gpu_memory_gib")
-WEIGHTS_KEYS = ("source", "name", "path", "download", "fp8", "dist_ckpt")
-DATA_KEYS = ("dataset", "raw", "train_size", "test_size", "length_filter")
-DLC_KEYS = ("image", "worker_cpu", "worker_memory", "worker_shared_memory", "gpu_type", "priority", "max_running_minutes")
-SLURM_KEYS = ("partition", "time", "cpus_per_task", "mem", "account", "qos")
-RUN_KEYS = ("project", "experiment", "timeout_s")
-#: the self-checks a finished run gets (dsv3_rl.grpo.checks); a preset without ``checks`` is not checked
-CHECK_KEYS = ("rollout_vs_trainer_prob_diff_mean_max", "rollout_vs_trainer_pearson_min", "min_weight_change",
-              "learning")
-LEARNING_KEYS = ("min_gain", "window", "reason_off")
+class _Section(pydantic.BaseModel):
+    """A preset section: unknown keys are errors (values are checked after ``extends`` is merged)."""
 
-SECTIONS: dict[str, tuple[str, ...] | None] = {
-    "description": None, "extends": None, "model": None, "hardware": HARDWARE_KEYS, "env": None,
-    "weights": WEIGHTS_KEYS, "data": DATA_KEYS, "entry": None, "config_name": None,
-    "layout": LAYOUT_KEYS, "rollout": ROLLOUT_KEYS, "router": ROUTER_KEYS, "planner": None, "verl": None,
-    "dlc": DLC_KEYS, "slurm": SLURM_KEYS, "run": RUN_KEYS, "checks": CHECK_KEYS, "rollout_correction": None,
+    model_config = pydantic.ConfigDict(extra="forbid")
+
+
+def _section(name: str, fields: dict[str, Any]) -> type[_Section]:
+    return pydantic.create_model(name, __base__=_Section, **{k: (t, None) for k, t in fields.items()})
+
+
+#: ``layout``: the fields of :class:`dsv3_rl.layout.Layout`, with its types
+LayoutSection = _section("LayoutSection", {k: t | None for k, t in typing.get_type_hints(Layout).items()})
+RolloutSection = _section("RolloutSection", dict(name=str, tp=int, dp=int, ep=int, gpu_memory_utilization=float))
+RouterSection = _section("RouterSection", dict(bias_update_rate=float, load_balancing_type=str, aux_loss_coeff=float,
+                                               router_dtype=str))
+HardwareSection = _section("HardwareSection", dict(gpu=str, nodes=int, gpus_per_node=int, gpu_memory_gib=float))
+WeightsSection = _section("WeightsSection", dict(source=str, name=str, path=str | None, download=str,
+                                                 fp8=bool | str, dist_ckpt=bool))
+DataSection = _section("DataSection", dict(dataset=str, raw=str, train_size=int, test_size=int, length_filter=bool))
+DlcSection = _section("DlcSection", dict(image=str, worker_cpu=int, worker_memory=Any, worker_shared_memory=Any,
+                                         gpu_type=str, priority=int, max_running_minutes=int))
+SlurmSection = _section("SlurmSection", dict(partition=str, time=str, cpus_per_task=int, mem=Any, account=str, qos=str))
+RunSection = _section("RunSection", dict(project=str, experiment=str, timeout_s=Any))
+LearningSection = _section("LearningSection", dict(min_gain=float, window=int, reason_off=str))
+#: the self-checks a finished run gets (dsv3_rl.grpo.checks); a preset without ``checks`` is not checked
+ChecksSection = _section("ChecksSection", dict(rollout_vs_trainer_prob_diff_mean_max=float,
+                                               rollout_vs_trainer_pearson_min=float, min_weight_change=float,
+                                               route_agreement_min=float, learning=Any))
+
+#: the sections of a preset file; None: free-form (a value, or a mapping checked elsewhere)
+SECTION_MODELS: dict[str, type[_Section] | None] = {
+    "description": None, "extends": None, "model": None, "hardware": HardwareSection, "env": None,
+    "weights": WeightsSection, "data": DataSection, "entry": None, "config_name": None,
+    "layout": LayoutSection, "rollout": RolloutSection, "router": RouterSection, "planner": None, "verl": None,
+    "dlc": DlcSection, "slurm": SlurmSection, "run": RunSection, "checks": ChecksSection, "rollout_correction": None,
+    "router_replay": None,
 }
+SECTIONS: dict[str, tuple[str, ...] | None] = {k: tuple(m.model_fields) if m else None for k, m in SECTION_MODELS.items()}
+LAYOUT_KEYS = SECTIONS["layout"]
+ROLLOUT_KEYS, ROUTER_KEYS, HARDWARE_KEYS = SECTIONS["rollout"], SECTIONS["router"], SECTIONS["hardware"]
+WEIGHTS_KEYS, DATA_KEYS, DLC_KEYS, SLURM_KEYS = SECTIONS["weights"], SECTIONS["data"], SECTIONS["dlc"], SECTIONS["slurm"]
+RUN_KEYS, CHECK_KEYS = SECTIONS["run"], SECTIONS["checks"]
+LEARNING_KEYS = tuple(LearningSection.model_fields)
+
 GPU_KINDS = ("cpu", "H100", "H200", "H20", "H800", "A100", "B200")
-RECOMPUTE = ("none", "selective", "full")
 WEIGHT_SOURCES = ("synthetic", "download", "shipped")
 DATASETS = ("math_lighteval", "gsm8k")
 
@@ -93,6 +117,8 @@ class Preset:
     """self-check tolerances (:data:`CHECK_KEYS`); None: the run is not checked"""
     rollout_correction: str = "none"
     """a :data:`dsv3_rl.launch.rollout_correction.MODES` name (verl's ``algorithm.rollout_correction``)"""
+    router_replay: str = "none"
+    """a :data:`dsv3_rl.launch.router_replay.MODES` name (verl's ``actor.megatron.router_replay.mode``)"""
 
     @property
     def nodes(self) -> int:
@@ -144,17 +170,34 @@ def deep_merge(base: dict, top: dict) -> dict:
 
 
 def _check_keys(path: Path, data: dict) -> None:
+    """Every section and key of one preset file against :data:`SECTION_MODELS`; the first problem is one line
+    naming the file, the key and the allowed keys."""
     for key, value in data.items():
         if key not in SECTIONS:
             raise PresetError(f"{path}: unknown section {key!r}{close(key, SECTIONS)} (allowed: {', '.join(SECTIONS)})")
-        allowed = SECTIONS[key]
-        if allowed is not None:
-            if not isinstance(value, dict):
-                raise PresetError(f"{path}: section {key!r} must be a mapping of {', '.join(allowed)}")
-            for sub in value:
-                if sub not in allowed:
-                    raise PresetError(f"{path}: unknown key {key}.{sub}{close(sub, allowed)} "
-                                      f"(allowed in {key}: {', '.join(allowed)})")
+        model, allowed = SECTION_MODELS[key], SECTIONS[key]
+        if model is None:
+            continue
+        if not isinstance(value, dict):
+            raise PresetError(f"{path}: section {key!r} must be a mapping of {', '.join(allowed)}")
+        _validate(path, key, model, value)
+        learning = value.get("learning") if key == "checks" else None
+        if learning not in (None, False):
+            if not isinstance(learning, dict):
+                raise PresetError(f"{path}: checks.learning must be a mapping of {', '.join(LEARNING_KEYS)}")
+            _validate(path, "checks.learning", LearningSection, learning)
+
+
+def _validate(path: Path, name: str, model: type[_Section], value: dict) -> None:
+    try:
+        model.model_validate(value)
+    except pydantic.ValidationError as e:
+        err, allowed = e.errors()[0], tuple(model.model_fields)
+        sub = str(err["loc"][0])
+        if err["type"] == "extra_forbidden":
+            raise PresetError(f"{path}: unknown key {name}.{sub}{close(sub, allowed)} "
+                              f"(allowed in {name}: {', '.join(allowed)})") from None
+        raise PresetError(f"{path}: {name}.{sub}={err['input']!r}: {err['msg'].lower()}") from None
 
 
 def preset_file(name_or_path: str | os.PathLike) -> Path:
@@ -267,25 +310,23 @@ def load_preset(name_or_path: str | os.PathLike) -> Preset:
         raise PresetError(f"{where}: run.timeout_s={run['timeout_s']!r} must be a number of seconds > 0")
     checks = data.get("checks")
     if checks is not None:
-        checks = dict(checks)
-        learning = checks.get("learning")
-        if learning not in (None, False) and not isinstance(learning, dict):
-            raise PresetError(f"{where}: checks.learning must be a mapping of {', '.join(LEARNING_KEYS)}")
-        for k in (learning or {}):
-            if k not in LEARNING_KEYS:
-                raise PresetError(f"{where}: unknown key checks.learning.{k}{close(k, LEARNING_KEYS)} "
-                                  f"(allowed: {', '.join(LEARNING_KEYS)})")
+        checks = dict(checks)  # keys and types checked per file (_check_keys)
     rcorr = data.get("rollout_correction")
     rcorr = rollout_correction.DEFAULT if rcorr is None else rcorr
     if not isinstance(rcorr, str) or rcorr not in rollout_correction.MODES:
         raise PresetError(f"{where}: rollout_correction={rcorr!r}{close(str(rcorr), rollout_correction.MODES)} "
                           f"(allowed: {', '.join(rollout_correction.MODES)}; dsv3_rl/launch/rollout_correction.py "
                           "says what each does)")
+    replay = data.get("router_replay")
+    replay = router_replay.DEFAULT if replay is None else replay
+    if not isinstance(replay, str) or replay not in router_replay.MODES:
+        raise PresetError(f"{where}: router_replay={replay!r}{close(str(replay), router_replay.MODES)} "
+                          f"(allowed: {', '.join(router_replay.MODES)}; dsv3_rl/launch/router_replay.py says what each does)")
     return Preset(
         name=path.stem, path=path, files=files, description=str(data.get("description", "")).strip(),
         model=data["model"], hardware=hw, env=env, weights=weights, data=dat,
         entry=data.get("entry", "verl.trainer.main_ppo"), config_name=data.get("config_name", "ppo_megatron_trainer"),
         layout=layout, rollout=dict(data.get("rollout") or {}), router=dict(data.get("router") or {}),
         planner=planner, verl=verl, dlc=dict(data.get("dlc") or {}), slurm=dict(data.get("slurm") or {}), run=run,
-        checks=checks, rollout_correction=rcorr,
+        checks=checks, rollout_correction=rcorr, router_replay=replay,
     )

@@ -10,7 +10,6 @@ that the preset also sets replaces the preset's value in place (so ``+`` keys ar
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import os
 import subprocess
@@ -19,10 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from dsv3_rl.launch import checks, stages as stages_mod
-from dsv3_rl.launch.overrides import Override, flatten, get_dotted as deep_get, parse_overrides, set_dotted
+from dsv3_rl.launch.overrides import (Override, flatten, get_dotted as deep_get, parse_overrides, set_dotted,
+                                      to_overrides)
 from dsv3_rl.launch.presets import REPO, Preset, PresetError, deep_merge, load_preset
 from dsv3_rl.launch.verl_config import (VerlConfigError, base_config, check_cli_overrides, check_open_dicts,
-                                        compose, tree_to_overrides, validate_like_main_ppo)
+                                        compose, validate_like_main_ppo)
 
 A = "actor_rollout_ref.actor"
 M = f"{A}.megatron"
@@ -134,7 +134,8 @@ def derived_tree(preset: Preset, model_cfg: dict) -> dict:
            "last_stage_layers": f"{OTC}.num_layers_in_last_pipeline_stage",
            "pipeline_layout": f"{OTC}.pipeline_model_parallel_layout",
            "account_for_embedding": f"{OTC}.account_for_embedding_in_pipeline_split",
-           "account_for_loss": f"{OTC}.account_for_loss_in_pipeline_split"}
+           "account_for_loss": f"{OTC}.account_for_loss_in_pipeline_split",
+           "dispatcher": f"{OTC}.moe_token_dispatcher_type"}
     for k, verl_key in key.items():
         if k in lay and lay[k] is not None:
             set_dotted(t, verl_key, lay[k])
@@ -165,6 +166,9 @@ def derived_tree(preset: Preset, model_cfg: dict) -> dict:
     from dsv3_rl.launch import rollout_correction  # preset.rollout_correction by name -> algorithm.rollout_correction
 
     t = deep_merge(t, rollout_correction.verl_tree(preset.rollout_correction))
+    from dsv3_rl.launch import router_replay  # preset.router_replay by name -> actor.megatron.router_replay
+
+    t = deep_merge(t, router_replay.verl_tree(preset.router_replay))
     return t
 
 
@@ -299,7 +303,7 @@ def resolve(preset_name: str, user_overrides: list[str] | None = None, environ: 
     if errs:
         raise VerlConfigError("\n".join(errs))
     rest = _apply_user(tree, user)
-    overrides = tree_to_overrides(tree, base, f"preset {preset.name}")
+    overrides = to_overrides(tree, base, f"preset {preset.name}")
     argv = [sys.executable, "-m", preset.entry, f"--config-name={preset.config_name}", *overrides, *rest]
     launch = Launch(preset, paths, model_cfg, model_src, env, tree, overrides, rest, argv, [], findings, notes)
 

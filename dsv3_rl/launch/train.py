@@ -111,7 +111,7 @@ def run_single_node(launch, env: dict[str, str]) -> int:
         steps = checks_mod.read_run_metrics(metrics)
     except checks_mod.CheckError as e:
         say(f"no metrics: {e}")
-    plots = write_plots(steps, paths.logs) if steps else []
+    plots = write_plots(steps, paths.logs, _dense_layers(paths)) if steps else []
     report = None
     if preset.checks is not None and res.code == 0:
         report = _checks(launch, metrics, total, {"seconds": round(res.seconds, 1),
@@ -136,13 +136,22 @@ def _checks(launch, metrics: Path, total: int, run_info: dict | None = None):
     logging.getLogger("megatron").setLevel(logging.ERROR)
     with warnings.catch_warnings():  # megatron/torch dist-checkpoint deprecation noise while reloading
         warnings.simplefilter("ignore")
-        report = checks_mod.check_run(metrics, total, initial, paths.ckpt, paths.hf, launch.preset.checks,
+        tolerances = {**(launch.preset.checks or {}), "router_replay": launch.preset.router_replay}
+        report = checks_mod.check_run(metrics, total, initial, paths.ckpt, paths.hf, tolerances,
                                       resumed_from(metrics))
     out = paths.logs / "report.json"
     tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
     tmp.write_text(json.dumps({**report.to_json(), "run": run_info or {}}, indent=2, default=str) + "\n")
     os.replace(tmp, out)
     return report
+
+
+def _dense_layers(paths) -> int:
+    """DeepSeek-V3's leading dense layers (``first_k_dense_replace`` of the run's HF config; 0 if unknown)."""
+    try:
+        return int(json.loads((Path(paths.hf) / "config.json").read_text()).get("first_k_dense_replace", 0) or 0)
+    except (OSError, ValueError):
+        return 0
 
 
 def check_finished(launch) -> int:
@@ -154,7 +163,7 @@ def check_finished(launch) -> int:
     metrics = Path(launch.env.get("VERL_FILE_LOGGER_PATH") or paths.logs / "metrics.jsonl")
     total = int(_select(launch.cfg, "trainer.total_training_steps", 0) or 0)
     steps = checks_mod.read_run_metrics(metrics)
-    plots = write_plots(steps, paths.logs)
+    plots = write_plots(steps, paths.logs, _dense_layers(paths))
     report = _checks(launch, metrics, total) if launch.preset.checks is not None else None
     if report is not None:
         print(report.render(), flush=True)

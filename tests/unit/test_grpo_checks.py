@@ -150,15 +150,21 @@ def test_weight_change_local_spec_saves_no_te_aliases():
 RECORDED = REPO / "tests" / "assets" / "grpo" / "demo_metrics.jsonl"
 
 
+R3 = {**TOL, "router_replay": "R3"}  # the demo's preset: router_replay R3
+
+
 def test_checks_pass_on_recorded_demo_metrics():
-    """verl's metrics of a real `make demo` run (recorded on the 2-core CPU box, 2026-11-24) pass the checks."""
-    rep = checks.check_run(RECORDED, 12, None, None, None, TOL)
+    """verl's metrics of a real `make demo` run (R3 on; recorded on the 2-core CPU box, 2026-11-24) pass the checks."""
+    rep = checks.check_run(RECORDED, 12, None, None, None, R3)
     assert rep.ok, rep.render()
+    assert "router replay (R3)" in [c.name for c in rep.checks]
     assert [s["step"] for s in checks.training_steps(rep.steps)] == list(range(1, 13))
 
 
 @pytest.mark.parametrize("fault,check", [("rollout_not_synced", "rollout == trainer every step"),
-                                         ("reward_reversed", "learning"), ("nan_pg_loss", "finite rewards and log-probs")])
+                                         ("reward_reversed", "learning"), ("nan_pg_loss", "finite rewards and log-probs"),
+                                         ("routes_not_replayed", "router replay (R3)"),
+                                         ("routes_disagree", "router replay (R3)")])
 def test_checks_fail_on_recorded_demo_metrics_with_planted_faults(tmp_path, fault, check):
     """Twins on the recorded run: vLLM on its own random (dummy) weights at step 1 (no sync: the trainer's and
     vLLM's token probabilities are uncorrelated), the reward curve reversed, a NaN loss."""
@@ -173,7 +179,14 @@ def test_checks_fail_on_recorded_demo_metrics_with_planted_faults(tmp_path, faul
             s["critic/score/mean"] = r
     elif fault == "nan_pg_loss":
         train[3]["actor/pg_loss"] = math.nan
-    rep = checks.check_run(_write(tmp_path, steps), 12, None, None, None, TOL)
+    elif fault == "routes_not_replayed":  # verl found no vLLM routes in the batch at step 5 (R3 silently off)
+        train[4][checks.MOE_ROUTES_FOUND] = 0.0
+        for k in [k for k in train[4] if k.endswith(checks.ROUTE_AGREEMENT)]:
+            del train[4][k]
+    elif fault == "routes_disagree":  # vLLM routes with other weights or another router (0.96 measured)
+        for k in [k for k in train[6] if k.endswith(checks.ROUTE_AGREEMENT)]:
+            train[6][k] = 0.6
+    rep = checks.check_run(_write(tmp_path, steps), 12, None, None, None, R3)
     failed = [c.name for c in rep.checks if not c.ok]
     assert failed == [check], rep.render()
 

@@ -228,7 +228,7 @@ def test_png_check_bites(tmp_path):
     (p,) = write_plots(_series12(), tmp_path)[:1]
     bad = tmp_path / "cut.png"
     bad.write_bytes(p.read_bytes()[: len(p.read_bytes()) // 2])
-    with pytest.raises(Exception):
+    with pytest.raises((OSError, SyntaxError, ValueError)):  # PIL's errors for a truncated PNG
         _png(bad)
     bad.write_bytes(b"GIF89a" + p.read_bytes()[6:])
     with pytest.raises(AssertionError, match="not a PNG"):
@@ -250,3 +250,25 @@ def test_plot_metrics_file(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_bytes(_content())
     assert [p.name for p in progress.plot_metrics_file(path, tmp_path / "out")] == ["reward.png", "consistency.png"]
+
+
+def test_progress_line_shows_r3_route_agreement_only_when_logged():
+    from dsv3_rl.grpo.progress import progress_line
+
+    step = {"step": 3, "critic/score/mean": 0.5, "actor/router_replay/route_agreement": 0.987654}
+    assert "routes agree 0.988" in progress_line(step, 12)
+    del step["actor/router_replay/route_agreement"]
+    assert "routes agree" not in progress_line(step, 12)
+
+
+def test_expert_load_heat_map_written_from_verl_moe_metrics(tmp_path):
+    from dsv3_rl.grpo.progress import write_plots
+
+    steps = [{"step": i, "critic/score/mean": 0.1 * i, "rollout/moe/max_vio/layer_1": 0.2 * i,
+              "rollout/moe/max_vio/layer_2": 1.5} for i in (1, 2, 3)]
+    paths = write_plots(steps, tmp_path / "with")
+    assert [p.name for p in paths] == ["reward.png", "consistency.png", "expert_load.png"]
+    assert paths[-1].stat().st_size > 1000
+    # twin: without the metrics (no R3) there is no heat map
+    plain = [{k: v for k, v in s.items() if not k.startswith("rollout/moe")} for s in steps]
+    assert [p.name for p in write_plots(plain, tmp_path / "without")] == ["reward.png", "consistency.png"]

@@ -12,7 +12,8 @@ import pytest
 
 from dsv3_rl.launch import checks
 from dsv3_rl.launch.overrides import flatten, hydra_value, parse_overrides, set_dotted, shell_join
-from dsv3_rl.launch.presets import PRESET_DIR, PresetError, list_presets, load_preset
+from dsv3_rl.launch.presets import LAYOUT_KEYS, PRESET_DIR, PresetError, list_presets, load_preset
+from dsv3_rl.layout import Layout
 from dsv3_rl.models import presets as model_presets
 
 EXPECTED = {"tiny_cpu", "tiny_cpu_gsm8k", "tiny_1xH100", "proxy_1xH100", "proxy_8xH100", "proxy_16xH20", "671b_96xH20", "671b_512xH100"}
@@ -100,8 +101,14 @@ def test_cpu_preset_is_the_demo_with_checks_and_shipped_weights():
     ("weights: {source: shipped, path: null}", "weights.source=shipped needs weights.path"),
     ("weights: {source: shipped, path: no/such/dir}", "no directory"),
     ("recipe: examples/x.yaml", "unknown section 'recipe'"),
+    ("run: {steeps: 3}", r"unknown key run.steeps .*allowed in run: project, experiment, timeout_s"),
+    ("layout: {tp: 2, ppp: 1}", r"unknown key layout.ppp; did you mean 'pp'"),
+    ("layout: {tp: two}", r"layout.tp='two': input should be a valid integer"),
+    ("rollout: {gpu_memory_utilization: lots}", r"rollout.gpu_memory_utilization='lots': input should be a valid number"),
+    ("checks: {learning: {window: 2.5}}", r"checks.learning.window=2.5: input should be a valid integer"),
 ])
 def test_checks_run_and_weights_keys_are_checked(tmp_path, text, match):
+    """The preset schema (pydantic models, unknown keys forbidden): one line naming the file, key and allowed keys."""
     base = Path(__file__).resolve().parents[2] / "examples" / "deepseek_v3" / "presets" / "tiny_cpu.yaml"
     good = _write(tmp_path, "ok.yaml", f"extends: {base}\n")
     assert load_preset(good).checks is not None  # twin: the base alone loads
@@ -135,10 +142,14 @@ DSV3 = {"model_type": "deepseek_v3", **model_presets.preset_kwargs("deepseek-v3"
 
 
 def sizes(**kw) -> checks.Sizes:
-    d = dict(world=512, nnodes=64, gpus_per_node=8, tp=8, pp=16, ep=32, etp=1, cp=1, vpp=None, first=4, last=1,
-             pipeline_layout=None, rollout_tp=8, rollout_dp=8, rollout_ep=64, rollout_pp=1)
-    d.update(kw)
-    return checks.Sizes(**d)
+    """The 512-GPU layout; KW sets Layout fields (``first``/``last``: the first/last pipeline stage's layers)
+    or Sizes fields."""
+    lay = dict(tp=8, pp=16, ep=32, etp=1, cp=1, vpp=None, first_stage_layers=4, last_stage_layers=1)
+    d = dict(world=512, nnodes=64, gpus_per_node=8, rollout_tp=8, rollout_dp=8, rollout_ep=64, rollout_pp=1)
+    for k, v in kw.items():
+        k = {"first": "first_stage_layers", "last": "last_stage_layers"}.get(k, k)
+        (lay if k in LAYOUT_KEYS else d)[k] = v
+    return checks.Sizes(layout=Layout(**lay), **d)
 
 
 def errors(findings, check=None):
@@ -194,3 +205,17 @@ def test_docs_preset_table_is_what_list_prints(capsys):
 def test_docs_preset_example_is_the_shipped_file():
     doc = (PRESET_DIR.parents[2] / "docs" / "launcher.md").read_text()
     assert (PRESET_DIR / "671b_512xH100.yaml").read_text() in doc
+
+
+def test_layout_dispatcher_becomes_the_verl_key(tmp_path):
+    """`layout` takes every dsv3_rl.layout.Layout field; the dispatcher goes to override_transformer_config."""
+    from dsv3_rl.launch.overrides import get_dotted
+    from dsv3_rl.launch.run import derived_tree
+
+    base = PRESET_DIR / "tiny_cpu.yaml"
+    model_cfg = {"model_type": "deepseek_v3", **model_presets.preset_kwargs("tiny-vllm")}
+    key = "actor_rollout_ref.actor.megatron.override_transformer_config.moe_token_dispatcher_type"
+    plain = derived_tree(load_preset(_write(tmp_path, "a.yaml", f"extends: {base}\n")), model_cfg)
+    assert get_dotted(plain, key) is None  # twin: unset, verl's default
+    p = load_preset(_write(tmp_path, "b.yaml", f"extends: {base}\nlayout: {{dispatcher: allgather}}\n"))
+    assert get_dotted(derived_tree(p, model_cfg), key) == "allgather"
