@@ -8,6 +8,7 @@
 #   bash scripts/gpu_session.sh memory       # 1 GPU: planner vs measured peak memory (gpu + gpu-act sets, ~1 min)
 #   bash scripts/gpu_session.sh two-gpu      # 2 GPUs: correctness layouts over NCCL, faults, planner memory, TP2/EP2 bench
 #   bash scripts/gpu_session.sh refit        # 1 GPU: refit export bench (BF16, checksum manifest, FP8 + quantize kernel)
+#   bash scripts/gpu_session.sh replay       # 1 GPU: router replay record/replay check on the proxy model (+ shifted fault)
 #
 # Each step has its own time limit; a failing step is reported and the next one still runs.
 # Ends with one line per step: name, status, seconds.
@@ -65,11 +66,24 @@ case "${1:-}" in
       --faults mla-tp-grad-patch-reverted --json "$OUT/gpu2_faults.json"
     step planner_mem 150 python bench/measure_train_memory.py --out "$OUT/measured_gpu.jsonl"
     step bench_2gpu 130 torchrun --nproc-per-node 2 bench/bench_train_step.py --layouts tp2,ep2 --json "$OUT/bench-2gpu.json"
+    # router replay over NCCL: record, replay (agreement 1.0, same loss), hold under a perturbed router; shifted must FAIL
+    for L in tp=2,sp=true ep=2,etp=1 tp=2,ep=2,etp=1 pp=2; do
+      step "replay_${L//[=,]/_}" 120 torchrun --nproc-per-node 2 -m dsv3_rl.consistency.replay_check --model proxy \
+        --layout "$L" --json "$OUT/replay_2gpu_${L//[=,]/_}.json"
+    done
+    step replay_2gpu_shift_must_fail 120 bash -c '! torchrun --nproc-per-node 2 -m dsv3_rl.consistency.replay_check \
+      --model proxy --layout tp=2,ep=2,etp=1 --fault shift'
+    ;;
+  replay)
+    # 1 GPU: verl's router replay on the proxy model (record -> replay -> perturbed router); shifted must FAIL
+    step replay_1gpu 150 python -m dsv3_rl.consistency.replay_check --model proxy --json "$OUT/replay_1gpu.json"
+    step replay_1gpu_fp32 150 python -m dsv3_rl.consistency.replay_check --model proxy --dtype fp32 --json "$OUT/replay_1gpu_fp32.json"
+    step replay_1gpu_shift_must_fail 150 bash -c '! python -m dsv3_rl.consistency.replay_check --model proxy --fault shift'
     ;;
   refit)
     # verl is imported from backends/verl-*/verl without Ray (dsv3_rl/refit/verl_export.py); no TE, no vLLM
     step refit_bench 420 python bench/bench_refit.py --fp8 --manifest --json "$OUT/refit.json"
     ;;
-  *) echo "usage: $0 fastpath|correctness|memory|two-gpu|refit" >&2; exit 2 ;;
+  *) echo "usage: $0 fastpath|correctness|memory|two-gpu|refit|replay" >&2; exit 2 ;;
 esac
 echo "=== summary"; printf '%s\n' "${SUMMARY[@]}"

@@ -95,6 +95,14 @@ def _install_light(root: Path) -> None:
             sys.modules[modname] = mod
 
 
+def import_module(name: str):
+    """One verl module whose own imports are torch/megatron only (e.g. ``verl.utils.megatron.router_replay_patch``):
+    the real package where Ray is installed, else with verl's package ``__init__`` files skipped."""
+    if "verl" not in sys.modules and importlib.util.find_spec("ray") is None:
+        _install_light(verl_root())
+    return importlib.import_module(name)
+
+
 def load(light: bool = False) -> VerlExport:
     """verl's export pieces. LIGHT skips Ray (and stays in effect for this process: another part of the same
     process cannot import the real ``verl`` afterwards, so only a process of its own, such as the bench,
