@@ -322,3 +322,22 @@ def test_weight_sync_manifest_catches_stale_bucket(verl_cpu, monkeypatch):
     assert repr(kept[1][0][0]) in str(err)
     monkeypatch.setenv("DSV3_REFIT_MANIFEST", "0")
     assert _sync(new, 1, stale) is None
+
+
+def test_export_at_one_pipeline_stage_makes_no_per_tensor_collectives(monkeypatch):
+    """verl patch 0032: with PP=1 the export hands each tensor and name through unchanged instead of an object
+    all-gather + broadcast per tensor (on one H100 they were ~90% of the export time: 47 -> 444 GB/s)."""
+    import torch.distributed as dist
+
+    from dsv3_rl.correctness.assemble import single_process_megatron
+    from dsv3_rl.refit.verl_export import import_module
+
+    mu = import_module("verl.utils.megatron_utils")
+    with single_process_megatron():
+        calls = []
+        for fn in ("all_gather_object", "broadcast", "broadcast_object_list"):
+            monkeypatch.setattr(dist, fn, lambda *a, _fn=fn, **k: calls.append(_fn))
+        t = torch.ones(3)
+        assert mu.broadcast_from_megatron_pp(t) is t
+        assert mu.broadcast_str_from_megatron_pp("decoder.layers.0.mlp.router.weight") == "decoder.layers.0.mlp.router.weight"
+        assert calls == []  # with the patch reverted: all_gather_object + broadcast per call
