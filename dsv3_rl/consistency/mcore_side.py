@@ -52,14 +52,19 @@ class RouteHook:
             self.rows.setdefault(layer, []).append(ids.detach().to("cpu", torch.int16))
         return hook
 
-    def take(self, num_layers: int, top_k: int) -> torch.Tensor:
-        n = {lid: sum(t.shape[0] for t in parts) for lid, parts in self.rows.items()}
-        rows = next(iter(n.values()), 0)
-        out = torch.full((rows, num_layers, top_k), -1, dtype=torch.int16)
-        for lid, parts in self.rows.items():
-            ids = torch.cat(parts)
-            out[:, lid, : ids.shape[1]] = ids
+    def pop_layers(self) -> dict[int, torch.Tensor]:
+        """Everything recorded since the last call, ``{layer: [rows, top_k]}`` (rows of all forwards, in order)."""
+        out = {lid: torch.cat(parts) for lid, parts in self.rows.items()}
         self.rows = {}
+        return out
+
+    def take(self, num_layers: int, top_k: int) -> torch.Tensor:
+        """:meth:`pop_layers` as one ``[rows, num_layers, top_k]`` tensor, -1 for layers without a router."""
+        by_layer = self.pop_layers()
+        rows = next(iter(by_layer.values())).shape[0] if by_layer else 0
+        out = torch.full((rows, num_layers, top_k), -1, dtype=torch.int16)
+        for lid, ids in by_layer.items():
+            out[:, lid, : ids.shape[1]] = ids
         return out
 
     def remove(self) -> None:
@@ -140,7 +145,9 @@ class Trainer:
 
 def _one(model, tf_config, hook, hf, seq, fault, RouterReplay, RouterReplayAction) -> dict:
     ids = seq["prompt_ids"] + seq["response_ids"]
-    tokens = torch.tensor([ids], device=runtime_device())
+    from dsv3_rl.mcore import runtime
+
+    tokens = torch.tensor([ids], device=runtime.device())
     pos = torch.arange(len(ids), device=tokens.device).unsqueeze(0)
     P = len(seq["prompt_ids"])
     L, K = hf.num_hidden_layers, hf.num_experts_per_tok
@@ -178,8 +185,3 @@ def _one(model, tf_config, hook, hf, seq, fault, RouterReplay, RouterReplayActio
     model.eval()
     return rec
 
-
-def runtime_device() -> torch.device:
-    from dsv3_rl.mcore import runtime
-
-    return runtime.device()

@@ -35,18 +35,12 @@ from dsv3_rl.errors import Dsv3Error, cli_main
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-def _routes(hook, layers: list[int]) -> dict[int, torch.Tensor]:
-    """This rank's routes per local MoE layer from the hook, then cleared."""
-    out = {lid: torch.cat(hook.rows[lid]) for lid in layers if lid in hook.rows}
-    hook.rows = {}
-    return out
-
-
 def _agree(a: dict[int, torch.Tensor], b: dict[int, torch.Tensor]) -> tuple[int, int]:
+    from dsv3_rl.consistency.metrics import route_sets
+
     same = total = 0
     for lid, ra in a.items():
-        rb = b[lid]
-        eq = (torch.sort(ra.long(), -1).values == torch.sort(rb.long(), -1).values).all(-1)
+        eq = (route_sets(ra) == route_sets(b[lid])).all(-1)
         same += int(eq.sum())
         total += int(eq.numel())
     return same, total
@@ -80,7 +74,6 @@ def run(layout_text: str, model: str, dtype: str, seq_length: int, fault: str | 
     chunks = runtime.build_model(hf, layout, dtype=DTYPES[dtype], config_overrides=overrides)
     chunks = runtime.wrap_ddp(chunks)
     hook = RouteHook([runtime.unwrap(c) for c in chunks])
-    layers = sorted({h for h in range(hf.num_hidden_layers)})
     batch = layout_check.make_batches(hf.vocab_size, 1, 1, seq_length, seed=seed)
 
     def step() -> float | None:
@@ -89,9 +82,9 @@ def run(layout_text: str, model: str, dtype: str, seq_length: int, fault: str | 
 
     RouterReplay.set_global_router_replay_action(RouterReplayAction.RECORD)
     loss_again = step()  # the same pass twice: the run-to-run noise of the loss (GPU atomics in bf16; 0 on CPU)
-    _routes(hook, layers)
+    hook.pop_layers()
     loss_record = step()
-    routes_record = _routes(hook, layers)
+    routes_record = hook.pop_layers()
     recorded = [r.clone() for r in RouterReplay.get_recorded_data()]
     if any(r is None for r in recorded) or not recorded:
         raise Dsv3Error("verl's router replay recorded nothing (is moe_enable_routing_replay reaching the routers?)")
@@ -100,7 +93,7 @@ def run(layout_text: str, model: str, dtype: str, seq_length: int, fault: str | 
     RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
     RouterReplay.set_replay_data(target)
     loss_replay = step()
-    routes_replay = _routes(hook, layers)
+    routes_replay = hook.pop_layers()
     RouterReplay.clear_global_indices()
 
     from megatron.core.transformer.moe.router import TopKRouter
@@ -113,11 +106,11 @@ def run(layout_text: str, model: str, dtype: str, seq_length: int, fault: str | 
                 m.weight.data.add_(noise * m.weight.data.float().std().to(m.weight.dtype) * 2)
     RouterReplay.set_global_router_replay_action(RouterReplayAction.RECORD)
     step()
-    routes_native_perturbed = _routes(hook, layers)
+    routes_native_perturbed = hook.pop_layers()
     RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
     RouterReplay.set_replay_data(target)
     step()
-    routes_replay_perturbed = _routes(hook, layers)
+    routes_replay_perturbed = hook.pop_layers()
     RouterReplay.clear_global_indices()
     RouterReplay.clear_global_router_replay_action()
 

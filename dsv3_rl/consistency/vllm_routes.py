@@ -22,6 +22,8 @@ import numpy as np
 import torch
 
 _ATTR = "_dsv3_route_store"
+#: what :func:`apply_fault` can change in what vLLM serves
+FAULTS = ("zero_expert_bias", "no_group_limit")
 
 
 class RouteStore:
@@ -126,7 +128,9 @@ def pop(worker, request_id: str | None = None):
 
 
 def apply_fault(worker, fault: str) -> int:
-    """Change what vLLM serves, for ``dsv3-consistency check-faults``: ``zero_expert_bias`` or ``no_group_limit``."""
+    """Change what vLLM serves, for ``dsv3-consistency check-faults``: one of :data:`FAULTS`."""
+    if fault not in FAULTS:
+        raise ValueError(f"unknown vLLM fault {fault!r}; allowed: {', '.join(FAULTS)}")
     n = 0
     for _layer_id, router in _routers(worker.model_runner.get_model()):
         if fault == "zero_expert_bias" and getattr(router, "e_score_correction_bias", None) is not None:

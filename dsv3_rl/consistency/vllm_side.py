@@ -33,7 +33,7 @@ import torch
 
 from dsv3_rl.consistency import vllm_routes
 
-FAULTS = ("zero_expert_bias", "no_group_limit")
+FAULTS = vllm_routes.FAULTS
 DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 
 

@@ -148,9 +148,12 @@ def _checks(launch, metrics: Path, total: int, run_info: dict | None = None):
 
 def _dense_layers(paths) -> int:
     """DeepSeek-V3's leading dense layers (``first_k_dense_replace`` of the run's HF config; 0 if unknown)."""
+    from dsv3_rl.convert.weights import load_hf_config
+    from dsv3_rl.errors import Dsv3Error
+
     try:
-        return int(json.loads((Path(paths.hf) / "config.json").read_text()).get("first_k_dense_replace", 0) or 0)
-    except (OSError, ValueError):
+        return int(load_hf_config(Path(paths.hf)).get("first_k_dense_replace", 0) or 0)
+    except (Dsv3Error, OSError):
         return 0
 
 
