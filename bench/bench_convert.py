@@ -1,6 +1,6 @@
 """Benchmark the DeepSeek-V3 HF <-> megatron-core converter, and verl's own converter on the same model.
 
-    python bench/bench_convert.py [--preset proxy] [--work DIR] [--nproc 1] [--keep]
+    python bench/bench_convert.py [--model proxy] [--work DIR] [--nproc 1] [--keep]
 
 Writes the preset's HF checkpoint (``write_mini_model``, BF16, not timed), then times, each in a
 fresh process (``python -m dsv3_rl.convert``, under torchrun with ``--nproc`` > 1):
@@ -128,7 +128,7 @@ def _available_gb() -> float | None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--preset", default="proxy", help="tiny | tiny-vllm | proxy (default proxy: DeepSeek-V3 layer dims, 10.5 GB)")
+    ap.add_argument("--model", dest="preset", default="proxy", help="tiny | tiny-vllm | proxy (default proxy: DeepSeek-V3 layer dims, 10.5 GB)")
     ap.add_argument("--work", type=Path, default=None, help="scratch dir (default: a temp dir, removed unless --keep)")
     ap.add_argument("--nproc", type=int, default=1, help="converter ranks (torchrun)")
     ap.add_argument("--keep", action="store_true")

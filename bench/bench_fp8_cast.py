@@ -250,8 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "_child":
         return child(argv[1:])
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--input", type=Path, help="an existing FP8 checkpoint (default: write one from --preset)")
-    p.add_argument("--preset", default="proxy")
+    p.add_argument("--input", type=Path, help="an existing FP8 checkpoint (default: write one from --model)")
+    p.add_argument("--model", dest="preset", default="proxy", help="model preset of the FP8 checkpoint written")
     p.add_argument("--set", action="append", default=None, metavar="KEY=VALUE",
                    help="preset override (default: vocab_size=2048 so FP8 weights dominate, as in the release)")
     p.add_argument("--shards", type=int, default=8)

@@ -4,11 +4,11 @@ Transformer-Engine-free fast path (patches 0012 SDPA attention, 0013 grouped-GEM
 transformers' DeepseekV3ForCausalLM (sdpa), same config, same tokens, bf16, in one process.
 
     python bench/bench_train_step.py --grouped auto,off               # 1 GPU: transformers vs megatron-core
-    torchrun --nproc-per-node 2 bench/bench_train_step.py --layouts tp2,ep2
+    torchrun --nproc-per-node 2 bench/bench_train_step.py --layout tp=2,etp=1 --layout ep=2,etp=1
                           # megatron TP2 (+SP) and EP2 (DP2 for dense params); transformers on rank 0
     python bench/bench_train_step.py --cpu-smoke                      # tiny preset, 64 tokens, CPU: code path only
 
-The proxy (``--preset proxy``, dsv3_rl/models/presets.py): DeepSeek-V3's real layer dims (hidden
+The proxy (``--model proxy``, dsv3_rl/models/presets.py): DeepSeek-V3's real layer dims (hidden
 7168, 128 heads, MLA q/k 192 / v 128, vocab 129280, yarn rope), 4 layers (1 dense + 3 MoE),
 16 routed experts top-8 (group-limited 8/4) + 1 shared, 5.2B parameters.
 
@@ -35,28 +35,29 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
+from dsv3_rl import cliargs
+from dsv3_rl.errors import run_main
+from dsv3_rl.fs import write_json_atomic
+
 GiB = 1024**3
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--preset", default="proxy", help="dsv3_rl.models.presets preset (default: proxy)")
+    ap = argparse.ArgumentParser(prog="bench/bench_train_step.py", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", dest="preset", default="proxy", help="dsv3_rl.models.presets preset (default: proxy)")
     ap.add_argument("--layers", type=int, default=None, help="override num_hidden_layers")
     ap.add_argument("--seq", type=int, default=4096, help="tokens per sequence (micro-batch 1)")
     ap.add_argument("--engines", default="hf,mcore", help="comma list: hf, mcore")
-    ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--ep", type=int, default=1)
-    ap.add_argument("--etp", type=int, default=1)
-    ap.add_argument("--layouts", default=None,
-                    help="comma list of megatron layouts to run in this process, e.g. tp2,ep2 or tp1 "
-                         "(tpN, epN, tpNepN; default: from --tp/--ep)")
+    ap.add_argument("--layout", dest="layouts", action="append", type=cliargs.layout, default=None,
+                    metavar="tp=..,ep=..,etp=..",
+                    help="a megatron layout to run in this process (repeatable; dsv3_rl.layout.Layout fields: tp, ep, "
+                         "etp, ...; default tp=1,etp=1)")
     ap.add_argument("--grouped", default="auto", help="moe_sequential_grouped_mm variants: comma list of auto,on,off")
     ap.add_argument("--attention-backend", default="auto", help="megatron attention_backend (auto: SDPA without TE)")
     ap.add_argument("--no-fusions", action="store_true", help="megatron without its jit-fused swiglu/bda/cross-entropy")
@@ -74,16 +75,7 @@ def parse_args(argv=None):
     if bad:
         ap.error(f"--engines: unknown {bad}; allowed: hf, mcore")
     if args.layouts is None:
-        args.layouts = f"tp{args.tp}ep{args.ep}"
-    layouts = []
-    for name in args.layouts.split(","):
-        import re as _re
-
-        m = _re.fullmatch(r"(?:tp(\d+))?(?:ep(\d+))?", name.strip())
-        if not name.strip() or not m or not (m.group(1) or m.group(2)):
-            ap.error(f"--layouts: {name!r} is not tpN, epN or tpNepN")
-        layouts.append((int(m.group(1) or 1), int(m.group(2) or 1)))
-    args.layouts = layouts
+        args.layouts = [cliargs.layout("tp=1,etp=1")]
     args.grouped = [g.strip() for g in args.grouped.split(",") if g.strip()]
     bad = [g for g in args.grouped if g not in ("auto", "on", "off")]
     if bad:
@@ -261,14 +253,13 @@ MCORE_FUSIONS = dict(bias_activation_fusion=True, bias_dropout_fusion=True, cros
                      cross_entropy_fusion_impl="native")
 
 
-def run_mcore(cfg, args, device, grouped: str, tp: int, ep: int) -> dict:
+def run_mcore(cfg, args, device, grouped: str, parallel) -> dict:
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.enums import AttnBackend
 
-    from dsv3_rl.convert.config_map import Parallel
     from dsv3_rl.mcore import runtime
 
-    parallel = Parallel(tp=tp, ep=ep, etp=args.etp)
+    tp, ep = parallel.tp, parallel.ep
     runtime.init_distributed(parallel)
     overrides = {"attention_backend": AttnBackend[args.attention_backend],
                  "moe_sequential_grouped_mm": {"auto": None, "on": True, "off": False}[grouped]}
@@ -372,8 +363,7 @@ def summary(results: list, args, cfg) -> str:
 def main() -> int:
     args = ARGS if ARGS is not None else parse_args()
     if not on_cuda() and not args.cpu_smoke:
-        print("error: no CUDA device; run with --cpu-smoke for a CPU check of the code path", file=sys.stderr)
-        return 2
+        raise cliargs.UsageError("no CUDA device; run with --cpu-smoke for a CPU check of the code path")
     if on_cuda():
         try:  # a jit-fused kernel that cannot compile (no compiler, no triton) runs eagerly instead
             import torch._dynamo
@@ -388,10 +378,9 @@ def main() -> int:
     overrides = {"num_hidden_layers": args.layers} if args.layers else None
     cfg = hf_config(args.preset, overrides)
     world_env = int(os.environ.get("WORLD_SIZE", "1"))
-    for tp, ep in args.layouts if "mcore" in args.engines else []:
-        if world_env % tp or world_env % (ep * args.etp):
-            print(f"error: WORLD_SIZE={world_env} does not fit layout tp{tp}ep{ep} (etp {args.etp})", file=sys.stderr)
-            return 2
+    for lay in args.layouts if "mcore" in args.engines else []:
+        if not lay.dp(world_env) or not lay.edp(world_env):
+            raise cliargs.UsageError(f"WORLD_SIZE={world_env} does not fit layout {lay.short()}")
     if "mcore" in args.engines or world_env > 1:
         runtime.init_distributed(Parallel())  # process group (+ trivial megatron groups); layouts re-init below
     device = runtime.device()
@@ -404,12 +393,12 @@ def main() -> int:
         if world() > 1:
             dist.barrier()
     if "mcore" in args.engines:
-        for tp, ep in args.layouts:
+        for lay in args.layouts:
             for g in args.grouped:
-                log(f"megatron-core: building {args.preset} TP{tp} EP{ep} (grouped={g})")
-                r = run_mcore(cfg, args, device, g, tp, ep)
+                log(f"megatron-core: building {args.preset} {lay.short()} (grouped={g})")
+                r = run_mcore(cfg, args, device, g, lay)
                 results.append(r)
-                log(f"megatron-core TP{tp} EP{ep} ({r['experts']}): {r['step_ms']:.1f} ms, peak {r['peak_gib']:.1f} GiB")
+                log(f"megatron-core {lay.short()} ({r['experts']}): {r['step_ms']:.1f} ms, peak {r['peak_gib']:.1f} GiB")
     line = summary(results, args, cfg)
     if rank() == 0:
         print(line, flush=True)
@@ -420,13 +409,13 @@ def main() -> int:
                     print(f"#   {row['ms']:8.2f} ms  x{row['count']:<5d} {row['name']}", file=sys.stderr)
         if args.json_out:
             out = Path(args.json_out)
-            tmp = out.with_name(f".{out.name}.tmp")
-            tmp.write_text(json.dumps({"summary": line, "args": vars(args), "results": results}, indent=1))
-            os.replace(tmp, out)
+            write_json_atomic(out, {"summary": line, "args": dict(vars(args), layouts=[lay.short() for lay in args.layouts]),
+                                    "results": results}, indent=1,
+                              ensure_ascii=True)
     if dist.is_initialized():
         runtime.destroy()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(lambda argv: main()))  # a UsageError: one `error: ...` line, exit 2

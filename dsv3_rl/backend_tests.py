@@ -22,7 +22,8 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 from dsv3_rl.errors import cli_main
-from dsv3_rl.backends import BASELINE_TAG, REPO_ROOT, load_lock
+from dsv3_rl.backends import BASELINE_TAG, REPO_ROOT, BackendError, load_lock
+from dsv3_rl.fs import write_text_atomic
 
 PATTERN = "*_on_cpu.py"
 BASELINE_DIR = REPO_ROOT / "tests" / "assets" / "backend-tests"
@@ -79,15 +80,14 @@ def run_suite(src: Path, import_root: Path | None, jobs_out: Path) -> tuple[set[
 
 @cli_main
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="dsv3-backend-tests", description=__doc__.split("\n\n")[0])
     ap.add_argument("backend", nargs="?", default="verl")
     ap.add_argument("--record", action="store_true", help="record the baseline from the pristine sdist")
     args = ap.parse_args(argv)
     backend = load_lock()[args.backend]
     tree = backend.path()
     if not (tree / "tests").is_dir():
-        print(f"error: {tree}/tests does not exist (the {backend.sdist} sdist ships no tests?)", file=sys.stderr)
-        return 2
+        raise BackendError(f"{tree}/tests does not exist (the {backend.sdist} sdist ships no tests?)")
     baseline_file = BASELINE_DIR / f"{backend.dirname}.txt"
     with tempfile.TemporaryDirectory(prefix="dsv3-backend-tests-") as td:
         td = Path(td)
@@ -98,17 +98,13 @@ def main(argv: list[str] | None = None) -> int:
                                      capture_output=True, check=True)
             subprocess.run(["tar", "-x", "-C", str(pristine)], input=archive.stdout, check=True)
             passed, failed = run_suite(pristine, pristine, td)
-            BASELINE_DIR.mkdir(parents=True, exist_ok=True)
-            tmp = baseline_file.with_suffix(".tmp")
-            tmp.write_text(f"# tests of {backend.sdist} (*_on_cpu.py, one process per file) passing on the pristine sdist\n"
-                           + "".join(f"{t}\n" for t in sorted(passed)))
-            os.replace(tmp, baseline_file)
+            write_text_atomic(baseline_file, f"# tests of {backend.sdist} (*_on_cpu.py, one process per file) passing "
+                                             f"on the pristine sdist\n" + "".join(f"{t}\n" for t in sorted(passed)))
             print(f"[backend-tests] recorded {len(passed)} passing ({len(failed)} failing) on pristine "
                   f"{backend.dirname} -> {baseline_file.relative_to(REPO_ROOT)}")
             return 0
         if not baseline_file.exists():
-            print(f"error: no baseline {baseline_file}; record it with --record", file=sys.stderr)
-            return 2
+            raise BackendError(f"no baseline {baseline_file}; record it with --record")
         expected = {ln.strip() for ln in baseline_file.read_text().splitlines() if ln.strip() and not ln.startswith("#")}
         # Run from the patched tree itself (the tests use repo-relative paths), importing it.
         passed, failed = run_suite(tree, tree, td)

@@ -19,7 +19,6 @@ kept in ``backends/.cache/``; re-running is a no-op once the baseline exists.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
 import re
 import shutil
@@ -33,6 +32,7 @@ from pathlib import Path
 import pydantic
 
 from dsv3_rl.errors import Dsv3Error
+from dsv3_rl.fs import sha256_file
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BASELINE_TAG = "pristine"
@@ -126,14 +126,6 @@ def load_lock(path: Path | None = None) -> dict[str, Backend]:
             raise _lock_error(path, name, e) from None
         backends[name] = Backend(name=name, **entry.model_dump())
     return backends
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def verify(path: Path, expected: str) -> None:

@@ -47,11 +47,11 @@ case "${1:-}" in
     ;;
   correctness)
     step fastpath_unit 170 python -m pytest -q -s -m gpu tests/gpu/test_mcore_fastpath_gpu.py -p no:cacheprovider
-    step corr_tp1 100 python -m dsv3_rl.correctness run --layouts tp1 --json "$OUT/gpu1_fp32.json"
+    step corr_tp1 100 python -m dsv3_rl.correctness run --layout tp1 --json "$OUT/gpu1_fp32.json"
     step corr_faults 100 python -m dsv3_rl.correctness check-faults \
       --faults swap-experts,router-bias,yarn-mscale,no-group-routing,rope-interleave-false,rope-interleave-false-unchecked \
       --json "$OUT/gpu1_faults.json"
-    step corr_proxy_bf16 300 python -m dsv3_rl.correctness run --layouts tp1 --preset proxy --set num_hidden_layers=2 \
+    step corr_proxy_bf16 300 python -m dsv3_rl.correctness run --layout tp1 --model proxy --set num_hidden_layers=2 \
       --dtype bf16 --batch-size 2 --seq-length 256 --calibrate --work /tmp/proxy --json "$OUT/gpu1_bf16_proxy.json"
     ;;
   memory)
@@ -60,12 +60,12 @@ case "${1:-}" in
     ;;
   two-gpu)
     step corr_2gpu 200 python -m dsv3_rl.correctness run \
-      --layouts dp2,tp2_sp,pp2,pp2_vpp2,pp2_vpp2_batchp2p,ep2,ep2_allgather,tp2_ep2,tp2_etp2,etp2,tp2_nosp \
+      --layout dp2,tp2_sp,pp2,pp2_vpp2,pp2_vpp2_batchp2p,ep2,ep2_allgather,tp2_ep2,tp2_etp2,etp2,tp2_nosp \
       --json "$OUT/gpu2_fp32.json"
-    step corr_2gpu_fault 90 python -m dsv3_rl.correctness check-faults --layouts tp2_sp \
+    step corr_2gpu_fault 90 python -m dsv3_rl.correctness check-faults --layout tp2_sp \
       --faults mla-tp-grad-patch-reverted --json "$OUT/gpu2_faults.json"
     step planner_mem 150 python bench/measure_train_memory.py --out "$OUT/measured_gpu.jsonl"
-    step bench_2gpu 130 torchrun --nproc-per-node 2 bench/bench_train_step.py --layouts tp2,ep2 --json "$OUT/bench-2gpu.json"
+    step bench_2gpu 130 torchrun --nproc-per-node 2 bench/bench_train_step.py --layout tp=2,etp=1 --layout ep=2,etp=1 --json "$OUT/bench-2gpu.json"
     # router replay over NCCL: record, replay (agreement 1.0, same loss), hold under a perturbed router; shifted must FAIL
     for L in tp=2,sp=true ep=2,etp=1 tp=2,ep=2,etp=1 pp=2; do
       step "replay_${L//[=,]/_}" 120 torchrun --nproc-per-node 2 -m dsv3_rl.consistency.replay_check --model proxy \

@@ -2,6 +2,7 @@
 
 import os
 import sys
+from pathlib import Path
 
 # torch.compile costs ~22 s per process on 2 cores and buys nothing at these sizes.
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
@@ -18,6 +19,23 @@ import pytest  # noqa: E402
 # in a subprocess inheriting the environment, then fails megatron's check ("NVTE_FLASH_ATTN set to 1, but
 # expected 0"). Put them back as they were after every test.
 from dsv3_rl.launch.run import TE_ATTENTION_ENV as _TE_ATTENTION_ENV  # noqa: E402
+
+
+# The full MATH-lighteval / GSM8K samples the committed fixtures and the cached tokenizer were cut from are not
+# in the repo: DSV3_SHARED_DATA names their directory, else ../shared/data next to the clone (where CI has them).
+SHARED_DATA = Path(os.environ.get("DSV3_SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
+SHARED_SAMPLES = ("MATH-lighteval-sample", "gsm8k-sample")
+
+
+@pytest.fixture
+def shared_data() -> Path:
+    """The directory holding the full samples; a missing one FAILS the test (never a skip)."""
+    missing = [n for n in SHARED_SAMPLES if not (SHARED_DATA / n).is_dir()]
+    if missing:
+        pytest.fail(f"{SHARED_DATA}: missing {', '.join(missing)}/ (the full data samples, not in the repo): set "
+                    f"DSV3_SHARED_DATA to a directory holding {' and '.join(s + '/' for s in SHARED_SAMPLES)}",
+                    pytrace=False)
+    return SHARED_DATA
 
 
 @pytest.hookimpl(hookwrapper=True)

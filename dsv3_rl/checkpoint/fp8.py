@@ -19,9 +19,12 @@ HF checkpoint that Megatron (via verl) and vLLM accept, in one step:
 
 CLI::
 
-    python -m dsv3_rl.checkpoint.fp8 cast IN_FP8 OUT_BF16 [--keep-mtp] [--device auto|cpu|cuda] [--workers N]
-    python -m dsv3_rl.checkpoint.fp8 quantize IN_BF16 OUT_FP8 [--scale-fmt pow2|amax]
-    python -m dsv3_rl.checkpoint.fp8 --input-fp8-hf-path IN --output-bf16-hf-path OUT   # DeepSeek's flags
+    dsv3-fp8-cast cast IN_FP8 --out OUT_BF16 [--keep-mtp] [--device auto|cpu|cuda] [--workers N] [--force]
+    dsv3-fp8-cast quantize IN_BF16 --out OUT_FP8 [--scale-fmt pow2|amax]
+    dsv3-fp8-cast IN_FP8 OUT_BF16                                          # `cast`, output positional
+    dsv3-fp8-cast --input-fp8-hf-path IN --output-bf16-hf-path OUT        # DeepSeek's flags
+
+(``python -m dsv3_rl.checkpoint.fp8`` is the same.)
 """
 
 from __future__ import annotations
@@ -44,13 +47,16 @@ import torch
 from . import fp8_kernels as K
 # FP8_WEIGHT_RE: the linear weights DeepSeek ships in FP8 (not: embeddings, lm_head, norms, router gate, eh_proj).
 from .hf_config import (BIAS_SUFFIX, FP8_WEIGHT_RE, ConfigError, check_family, check_tensor_dtypes, fix_config,
-                        write_json_atomic)
+                        load_config)
+from .manifest import FP8_TOOL, MANIFEST, manifest_path, read_manifest, write_manifest
+from .manifest import NAMES as MANIFEST_NAMES
 from .safetensors_io import (Header, SafetensorsError, ShardWriter, TensorInfo, itemsize, pread_exact, read_header,
-                             read_tensor, sha256_file)
+                             read_tensor)
+from dsv3_rl.cliargs import add_force, add_out, one_path
 from dsv3_rl.errors import Dsv3Error, check_space, cli_main
+from dsv3_rl.fs import JsonFileError, atomic_path, sha256_file, write_json_atomic
 
 INDEX = "model.safetensors.index.json"
-MANIFEST = ".dsv3-convert-manifest.json"
 SCALE_SUFFIX = "_scale_inv"
 SCALE_DTYPES = ("F32", "BF16", "F16")
 SKIP_DIRS = {".git", ".cache", ".huggingface"}
@@ -123,9 +129,9 @@ def _load_input(in_dir: Path) -> tuple[dict, dict[str, Header], dict[str, tuple[
     if not cfg_path.is_file():
         raise CheckpointError(f"{cfg_path} not found: {in_dir} is not a HF checkpoint directory")
     try:
-        config = json.loads(cfg_path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{cfg_path}: not valid JSON ({e})") from None
+        config = load_config(cfg_path, family=False)  # plan_cast/plan_quantize check the family
+    except ConfigError as e:
+        raise CheckpointError(str(e)) from None
     warnings: list[str] = []
     index_path = in_dir / INDEX
     listed: dict[str, str] | None = None
@@ -421,7 +427,7 @@ class Summary:
 def _other_files(plan: Plan) -> list[Path]:
     """Input files to copy as they are (tokenizer, generation config, code, README...)."""
     out_resolved = plan.out_dir.resolve()
-    skip = {INDEX, "config.json", MANIFEST}
+    skip = {INDEX, "config.json", *MANIFEST_NAMES}
     files = []
     for root, dirs, names in os.walk(plan.in_dir):
         rootp = Path(root)
@@ -436,18 +442,21 @@ def _other_files(plan: Plan) -> list[Path]:
 def _copy_file(src: Path, dst: Path) -> bool:
     if dst.is_file() and dst.stat().st_size == src.stat().st_size:
         return False
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.with_name(f"{dst.name}.tmp-{os.getpid()}")
-    shutil.copy2(src, tmp)
-    os.replace(tmp, dst)
+    with atomic_path(dst) as tmp:
+        shutil.copy2(src, tmp)
+    shutil.copymode(src, dst)  # atomic_path gives the default mode; keep the source's, as copy2 does
     return True
 
 
 def _load_manifest(plan: Plan, overwrite: bool) -> dict:
-    path = plan.out_dir / MANIFEST
-    fresh = {"tool": "dsv3_rl.checkpoint.fp8", "version": 1, "input": str(plan.in_dir.resolve()),
+    path = manifest_path(plan.out_dir)
+    fresh = {"tool": FP8_TOOL, "version": 1, "input": str(plan.in_dir.resolve()),
              "options": plan.options, "shards": {}, "complete": False}
-    if not path.is_file():
+    try:
+        manifest, corrupt = read_manifest(plan.out_dir, FP8_TOOL), False
+    except JsonFileError:
+        manifest, corrupt = None, True  # written atomically, so this is not ours half-written: start over
+    if path is None or (manifest is None and not corrupt):  # none, or another tool's
         theirs = sorted(p.name for p in plan.out_dir.iterdir()) if plan.out_dir.is_dir() else []
         if theirs:
             raise CheckpointError(
@@ -457,20 +466,18 @@ def _load_manifest(plan: Plan, overwrite: bool) -> dict:
     if overwrite:
         _clear_previous(plan.out_dir, path)
         return fresh
-    try:
-        manifest = json.loads(path.read_text())
-    except json.JSONDecodeError:
-        return fresh  # written atomically, so this is not ours half-written: start over
+    if corrupt:
+        return fresh
     if manifest.get("options") != plan.options or manifest.get("input") != fresh["input"]:
         raise CheckpointError(
             f"output dir {plan.out_dir} holds a conversion of {manifest.get('input')} with options "
             f"{manifest.get('options')}; this run is {fresh['input']} with {plan.options}. "
-            f"Use the same options, an empty dir, or --overwrite")
+            f"Use the same options, an empty dir, or --force")
     return manifest
 
 
 def _clear_previous(out_dir: Path, manifest_path: Path) -> None:
-    """--overwrite: remove what a previous run of this tool wrote (its shards, index, manifest); nothing else."""
+    """--force: remove what a previous run of this tool wrote (its shards, index, manifest); nothing else."""
     try:
         old = json.loads(manifest_path.read_text())
     except (json.JSONDecodeError, OSError):
@@ -566,7 +573,7 @@ def run(plan: Plan, *, device: str = "auto", workers: int | None = None, chunk_m
         manifest["shards"][shard.name] = {"source_size": st.st_size, "source_mtime_ns": st.st_mtime_ns,
                                           "size": size, "sha256": digest,
                                           "tensors": len(shard.entries)}
-        write_json_atomic(out_dir / MANIFEST, manifest)
+        write_manifest(out_dir, FP8_TOOL, manifest)
 
     try:
         with ThreadPoolExecutor(n_workers, thread_name_prefix="fp8cast") as pool:
@@ -603,7 +610,7 @@ def run(plan: Plan, *, device: str = "auto", workers: int | None = None, chunk_m
     summary.config_changes = changes
     summary.files_copied = sum(_copy_file(in_dir / f, out_dir / f) for f in other)
     manifest["complete"] = True
-    write_json_atomic(out_dir / MANIFEST, manifest)
+    write_manifest(out_dir, FP8_TOOL, manifest)
     summary.bytes_in = sum(plan.in_sizes[s.src.name] for s in pending)
     summary.bytes_out = sum((out_dir / s.name).stat().st_size for s in pending)
     summary.seconds = time.perf_counter() - t0
@@ -629,7 +636,7 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk-mb", type=int, help="rows read per step, MB (default 32 on CPU, 256 on GPU)")
     p.add_argument("--verify-existing", action="store_true",
                    help="re-hash finished output shards before skipping them (default: size check)")
-    p.add_argument("--overwrite", action="store_true", help="ignore a previous run's manifest; redo every shard")
+    add_force(p, "--overwrite", help="ignore a previous run's manifest; redo every shard")
     p.add_argument("--skip-space-check", action="store_true", help="do not check free disk space up front")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -640,29 +647,22 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("cast", help="FP8 release -> BF16 (the RL starting point)")
     c.add_argument("input", nargs="?", help="FP8 checkpoint dir")
-    c.add_argument("output", nargs="?", help="BF16 output dir")
+    c.add_argument("output", nargs="?", help="BF16 output dir (or --out)")
     c.add_argument("--input-fp8-hf-path", dest="input_flag", help="same as INPUT (DeepSeek's script flag)")
-    c.add_argument("--output-bf16-hf-path", dest="output_flag", help="same as OUTPUT (DeepSeek's script flag)")
+    add_out(c, "--output-bf16-hf-path", dest="output_flag", metavar="DIR",
+            help="BF16 output dir, same as OUTPUT (DeepSeek's script flag --output-bf16-hf-path works too)")
     c.add_argument("--keep-mtp", action="store_true",
                    help="keep the MTP layer(s) and num_nextn_predict_layers (default: drop; verl asserts 0)")
     _add_run_args(c)
     q = sub.add_parser("quantize", help="BF16 -> DeepSeek blockwise FP8 (for FP8 rollout)")
     q.add_argument("input", help="BF16 checkpoint dir")
-    q.add_argument("output", help="FP8 output dir")
+    q.add_argument("output", nargs="?", help="FP8 output dir (or --out)")
+    add_out(q, dest="output_flag", metavar="DIR", help="FP8 output dir, same as OUTPUT")
     q.add_argument("--scale-fmt", default="pow2", choices=K.SCALE_FMTS,
                    help="pow2: power-of-two scale_inv, exact round trip (default); amax: amax/448 (V3-0324 style)")
     q.add_argument("--drop-mtp", action="store_true", help="drop model.layers.<num_hidden_layers>.*")
     _add_run_args(q)
     return p
-
-
-def _one_path(pos_name: str, pos: str | None, flag_name: str, flag: str | None) -> str:
-    """The path given as positional POS_NAME or as FLAG_NAME; both (differing) or neither is refused."""
-    if pos and flag and os.path.abspath(pos) != os.path.abspath(flag):
-        raise CheckpointError(f"{pos_name} {pos!r} and {flag_name} {flag!r} disagree; give one of them")
-    if not (pos or flag):
-        raise CheckpointError(f"give {pos_name} (or {flag_name})")
-    return pos or flag
 
 
 @cli_main(interrupted="finished shards are kept; rerun the same command to resume")
@@ -672,14 +672,15 @@ def main(argv: list[str] | None = None) -> int:
         argv = ["cast"] + argv  # `dsv3-fp8-cast IN OUT` and DeepSeek's flags
     args = build_parser().parse_args(argv)
     run_kwargs = dict(device=args.device, workers=args.workers, chunk_mb=args.chunk_mb,
-                      verify_existing=args.verify_existing, overwrite=args.overwrite,
+                      verify_existing=args.verify_existing, overwrite=args.force,
                       skip_space_check=args.skip_space_check, progress=not args.no_progress)
     if args.cmd == "cast":
-        src = _one_path("INPUT", args.input, "--input-fp8-hf-path", args.input_flag)
-        dst = _one_path("OUTPUT", args.output, "--output-bf16-hf-path", args.output_flag)
+        src = one_path("INPUT", args.input, "--input-fp8-hf-path", args.input_flag)
+        dst = one_path("OUTPUT", args.output, "--out/--output-bf16-hf-path", args.output_flag)
         summary = cast_checkpoint(src, dst, drop_mtp=not args.keep_mtp, **run_kwargs)
     else:
-        summary = quantize_checkpoint(args.input, args.output, scale_fmt=args.scale_fmt,
+        summary = quantize_checkpoint(args.input, one_path("OUTPUT", args.output, "--out", args.output_flag),
+                                      scale_fmt=args.scale_fmt,
                                       drop_mtp=args.drop_mtp, **run_kwargs)
     for ch in summary.config_changes:
         print(f"config: {ch}")

@@ -17,7 +17,7 @@ DeepseekV3ForCausalLM) are refused with the values found and the ones allowed.
 
 CLI::
 
-    python -m dsv3_rl.checkpoint.hf_config CKPT_DIR_OR_CONFIG [-o OUT] [--keep-mtp] [--check] [--dry-run]
+    dsv3-fix-config CKPT_DIR_OR_CONFIG [--out OUT] [--keep-mtp] [--check] [--dry-run]   # or python -m dsv3_rl.checkpoint.hf_config
 """
 
 from __future__ import annotations
@@ -31,7 +31,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from dsv3_rl.cliargs import add_out
 from dsv3_rl.errors import Dsv3Error, cli_main
+from dsv3_rl.fs import JsonFileError, read_json, write_json_atomic
 
 FAMILY_MODEL_TYPES = ("deepseek_v3", "kimi_k2")
 FAMILY_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
@@ -178,6 +180,23 @@ def check_family(cfg: dict, where: str = "config.json") -> None:
                           f"Megatron's DeepSeek-V3 converter hard-codes sigmoid routing)")
 
 
+def load_config(path: str | os.PathLike, *, family: bool = True) -> dict:
+    """The ``config.json`` of a checkpoint directory (or the file PATH itself), parsed. Raises ConfigError
+    naming the file when it is missing, not JSON or not an object; FAMILY: also :func:`check_family`
+    (a DeepSeek-V3-family config whose sizes pass :func:`validate_config`)."""
+    path = Path(path)
+    cfg_path = path / "config.json" if path.is_dir() else path
+    try:
+        cfg = read_json(cfg_path, what="HF config")
+    except JsonFileError as e:
+        raise ConfigError(str(e)) from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{cfg_path}: JSON {type(cfg).__name__}, expected an object (an HF config)")
+    if family:
+        check_family(cfg, str(cfg_path))
+    return cfg
+
+
 def fix_config(cfg: dict, *, keep_mtp: bool = False, has_score_bias: bool | None = None,
                keep_auto_map: bool = False, where: str = "config.json") -> tuple[dict, list[Change]]:
     """Return (fixed copy of CFG, changes). HAS_SCORE_BIAS: whether the weights carry
@@ -216,21 +235,14 @@ def weight_names(ckpt_dir: Path) -> list[str] | None:
 
     index = ckpt_dir / "model.safetensors.index.json"
     if index.is_file():
-        return list(json.loads(index.read_text())["weight_map"])
+        try:
+            return list(read_json(index, what="safetensors index")["weight_map"])
+        except (KeyError, TypeError) as e:
+            raise ConfigError(f"{index}: not a safetensors index (no weight_map: {e!r})") from None
     shards = sorted(ckpt_dir.glob("*.safetensors"))
     if not shards:
         return None
     return [n for s in shards for n in read_header(s).tensors]
-
-
-def write_json_atomic(path: Path, data: dict) -> None:
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)  # nothing half-written is left behind
-        raise
 
 
 def fix_checkpoint_config(path: str | os.PathLike, out: str | os.PathLike | None = None, *, keep_mtp: bool = False,
@@ -238,12 +250,7 @@ def fix_checkpoint_config(path: str | os.PathLike, out: str | os.PathLike | None
     """Fix PATH (a checkpoint dir or a config.json) in place, or write the result to OUT."""
     path = Path(path)
     cfg_path = path / "config.json" if path.is_dir() else path
-    if not cfg_path.is_file():
-        raise ConfigError(f"{cfg_path}: not found")
-    try:
-        cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{cfg_path}: not valid JSON ({e})") from None
+    cfg = load_config(cfg_path, family=False)  # fix_config checks the family
     names = weight_names(cfg_path.parent)
     has_bias = None
     if names is not None:
@@ -269,8 +276,8 @@ def fix_checkpoint_config(path: str | os.PathLike, out: str | os.PathLike | None
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="dsv3-fix-config",
                                 description="Make a DeepSeek-V3 config.json acceptable to Megatron/verl and vLLM.")
-    p.add_argument("path", help="checkpoint directory or config.json (fixed in place unless -o)")
-    p.add_argument("-o", "--output", help="write the fixed config here (file or directory) instead")
+    p.add_argument("path", help="checkpoint directory or config.json (fixed in place unless --out)")
+    add_out(p, dest="output", help="write the fixed config here (file or directory) instead")
     p.add_argument("--keep-mtp", action="store_true", help="keep num_nextn_predict_layers (MTP layer kept)")
     p.add_argument("--keep-auto-map", action="store_true", help="keep auto_map (remote code)")
     p.add_argument("--dry-run", action="store_true", help="report the changes, write nothing")

@@ -1,4 +1,4 @@
-"""Minimal streaming safetensors reader/writer (format: 8-byte LE header length, JSON header, data).
+"""The package's one streaming safetensors reader/writer (format: 8-byte LE header length, JSON header, data).
 
 Why not ``safetensors.torch``: ``load_file``/``save_file`` hold a whole shard in memory, while the
 FP8 cast streams a shard tensor by tensor (and large tensors in row chunks) with bounded memory,
@@ -8,6 +8,10 @@ are ordinary safetensors files (``safe_open``/``load_file`` and transformers rea
 Reading validates what the ``safetensors`` library validates (header size, JSON, dtype, shape vs
 byte count, contiguous offsets) plus the file size, and names the file in every error, so a
 truncated download is reported as such rather than as a crash deep inside a load.
+
+Reads use ``pread`` into fresh memory (no mmap), so a process's RSS is what it really holds, not the
+page cache of a 1.3 TB checkpoint. :class:`HFReader` reads every tensor of an HF checkpoint directory;
+:func:`write_shard` writes one shard, producing each tensor only when it is written (the converter).
 """
 
 from __future__ import annotations
@@ -17,11 +21,13 @@ import json
 import math
 import os
 import struct
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from dsv3_rl.errors import Dsv3Error
+from dsv3_rl.fs import read_json, sha256_file
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors library's own limit
 
@@ -47,7 +53,11 @@ _DTYPES: dict[str, tuple[torch.dtype | None, int]] = {
 _TORCH_TO_ST = {dt: name for name, (dt, _) in _DTYPES.items() if dt is not None}
 
 
-class SafetensorsError(Dsv3Error, ValueError):
+class CheckpointFormatError(Dsv3Error, ValueError):
+    """A checkpoint file is not what it should be (truncated, not safetensors, bad index); names the file."""
+
+
+class SafetensorsError(CheckpointFormatError):
     """A safetensors file is truncated, corrupt or not safetensors at all; the message names the file."""
 
 
@@ -73,10 +83,15 @@ class TensorInfo:
     shape: tuple[int, ...]
     begin: int  # absolute file offsets
     end: int
+    path: Path | None = None  # the file that holds it
 
     @property
     def nbytes(self) -> int:
         return self.end - self.begin
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return torch_dtype(self.dtype)
 
 
 @dataclass(frozen=True)
@@ -123,7 +138,7 @@ def read_header(path: str | os.PathLike) -> Header:
             raise SafetensorsError(
                 f"{path}: corrupt header: tensor {name!r} {dtype}{list(shape)} needs {want} bytes, offsets say {e - b}"
             )
-        infos.append(TensorInfo(name, dtype, shape, data_start + b, data_start + e))
+        infos.append(TensorInfo(name, dtype, shape, data_start + b, data_start + e, path))
     infos.sort(key=lambda t: (t.begin, t.end))
     pos = data_start
     for t in infos:
@@ -139,16 +154,19 @@ def read_header(path: str | os.PathLike) -> Header:
     return Header(path, {t.name: t for t in infos}, metadata, data_start, size)
 
 
+def _pread_into(fd: int, view: memoryview, offset: int, path: Path | str, what: str = "") -> None:
+    done = 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got == 0:
+            raise SafetensorsError(f"{path}: truncated: short read at byte {offset + done}{what}")
+        done += got
+
+
 def pread_exact(fd: int, nbytes: int, offset: int, path: Path | str = "?") -> bytearray:
     """Read exactly NBYTES at OFFSET (a short read means the file shrank under us)."""
     buf = bytearray(nbytes)
-    view = memoryview(buf)
-    done = 0
-    while done < nbytes:
-        got = os.preadv(fd, [view[done:]], offset + done)
-        if got == 0:
-            raise SafetensorsError(f"{path}: truncated: short read at byte {offset + done}")
-        done += got
+    _pread_into(fd, memoryview(buf), offset, path)
     return buf
 
 
@@ -161,9 +179,10 @@ def read_tensor(fd: int, info: TensorInfo, path: Path | str = "?", rows: tuple[i
         row_bytes = (info.nbytes // shape[0]) if shape and shape[0] else 0
         begin, end = info.begin + r0 * row_bytes, info.begin + r1 * row_bytes
         shape[0] = r1 - r0
-    buf = pread_exact(fd, end - begin, begin, path)
-    t = torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
-    return t.view(torch_dtype(info.dtype)).reshape(shape)
+    out = torch.empty(end - begin, dtype=torch.uint8)  # no zero-fill, unlike bytearray
+    if out.numel():
+        _pread_into(fd, memoryview(out.numpy()), begin, path, f" (tensor {info.name!r})")
+    return out.view(torch_dtype(info.dtype)).reshape(shape)
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -175,19 +194,23 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 
 
 class ShardWriter:
-    """Write one safetensors file to ``<path>.tmp-<pid>``, then ``close()`` renames it into place.
+    """Write one safetensors file to ``<path>.tmp-<pid>`` (or ``<path><tmp_suffix>``), then ``close()``
+    renames it into place.
 
     ``entries`` (name, dtype string, shape) fixes the header up front; data is laid out by itemsize,
     largest first (as the safetensors library does, so every tensor is aligned), then in the given
-    order. ``order`` is that file order. ``write(name, chunk)`` appends bytes to a tensor; writes in
-    file order are hashed on the fly, otherwise the file is re-read for the hash at close.
+    order; ``keep_order=True`` keeps the given order. ``order`` is that file order. ``write(name,
+    chunk)`` appends bytes to a tensor; with ``digest=True`` writes in file order are hashed on the fly,
+    otherwise the file is re-read for the hash at close.
     """
 
     def __init__(self, path: str | os.PathLike, entries: list[tuple[str, str, tuple[int, ...]]],
-                 metadata: dict[str, str] | None = None):
+                 metadata: dict[str, str] | None = None, *, keep_order: bool = False, digest: bool = True,
+                 tmp_suffix: str | None = None):
         self.path = Path(path)
-        self.tmp = self.path.with_name(f"{self.path.name}.tmp-{os.getpid()}")
-        ordered = sorted(range(len(entries)), key=lambda i: (-itemsize(entries[i][1]), i))
+        self.tmp = self.path.with_name(self.path.name + (tmp_suffix or f".tmp-{os.getpid()}"))
+        ordered = list(range(len(entries))) if keep_order else \
+            sorted(range(len(entries)), key=lambda i: (-itemsize(entries[i][1]), i))
         header: dict = {"__metadata__": dict(metadata or {"format": "pt"})}
         offset = 0
         self._slots: dict[str, list[int]] = {}  # name -> [relative begin, end, written]
@@ -206,7 +229,7 @@ class ShardWriter:
         self._prefix = struct.pack("<Q", len(blob)) + blob
         self.data_bytes = offset
         self.size = len(self._prefix) + offset
-        self._hash = hashlib.sha256(self._prefix)
+        self._hash = hashlib.sha256(self._prefix) if digest else None
         self._hashed_to = 0  # data bytes hashed so far (sequential writes only)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -269,14 +292,6 @@ class ShardWriter:
         return False
 
 
-def sha256_file(path: str | os.PathLike, chunk: int = 16 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
 def write_tensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None,
                   fsync: bool = False) -> tuple[int, str]:
     """Write a dict of CPU tensors as one safetensors file (atomically); returns (size, sha256)."""
@@ -285,3 +300,79 @@ def write_tensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor], met
         for name in w.order:
             w.write(name, tensors[name])
         return w.close(fsync=fsync)
+
+
+def write_shard(path: Path, entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
+                produce: Callable[[str], torch.Tensor], metadata: dict[str, str] | None = None,
+                on_tensor: Callable[[str, int], None] | None = None) -> int:
+    """Write one safetensors file, producing each tensor only when it is written, in ``entries`` order
+    (which is also the file order). Goes to ``<path>.tmp``, fsynced and renamed when complete; a rerun
+    writes the same temporary name. Returns the file size."""
+    planned = [(n, st_dtype(dt), tuple(shape)) for n, dt, shape in entries]
+    with ShardWriter(path, planned, metadata, keep_order=True, digest=False, tmp_suffix=".tmp") as w:
+        for name, dtype, shape in entries:
+            t = produce(name)
+            if t.dtype != dtype or tuple(t.shape) != tuple(shape):
+                raise ValueError(f"{Path(path).name}: {name!r} produced {t.dtype}{list(t.shape)}, "
+                                 f"planned {dtype}{list(shape)}")
+            w.write(name, t)
+            if on_tensor:
+                on_tensor(name, t.numel() * t.element_size())
+            del t
+        return w.close(fsync=True, digest=False)[0]
+
+
+def shard_names(n: int) -> Iterable[str]:
+    """HF's shard file names: ``model-00001-of-0000N.safetensors``."""
+    for i in range(n):
+        yield f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+
+
+class HFReader:
+    """All tensors of an HF checkpoint directory (``model.safetensors.index.json`` or ``*.safetensors``),
+    read one at a time with ``pread``."""
+
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root)
+        index = self.root / "model.safetensors.index.json"
+        if index.exists():
+            try:
+                wm = read_json(index, what="safetensors index")["weight_map"]
+            except (ValueError, KeyError, TypeError) as e:
+                raise CheckpointFormatError(f"{index}: not a safetensors index ({e})") from None
+            files = sorted(set(wm.values()))
+            missing = [f for f in files if not (self.root / f).exists()]
+            if missing:
+                raise CheckpointFormatError(f"{index} names shard(s) that do not exist: {missing[:5]}")
+        else:
+            files = sorted(p.name for p in self.root.glob("*.safetensors"))
+            wm = None
+            if not files:
+                raise CheckpointFormatError(f"{self.root}: no model.safetensors.index.json and no *.safetensors files")
+        self.tensors: dict[str, TensorInfo] = {}
+        for f in files:
+            for name, info in read_header(self.root / f).tensors.items():
+                if name in self.tensors:
+                    raise CheckpointFormatError(f"tensor {name!r} is in both {self.tensors[name].path.name} and {f}")
+                self.tensors[name] = info
+        if wm is not None:
+            for name, f in wm.items():
+                if name not in self.tensors or self.tensors[name].path.name != f:
+                    raise CheckpointFormatError(f"{index}: {name!r} -> {f}, but {f} does not hold it")
+        self._fds: dict[Path, int] = {}
+        self.bytes_read = 0
+
+    def read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """Tensor ``name`` (or rows [r0, r1) of it) in fresh memory."""
+        info = self.tensors[name]
+        fd = self._fds.get(info.path)
+        if fd is None:
+            fd = self._fds[info.path] = os.open(info.path, os.O_RDONLY)
+        t = read_tensor(fd, info, info.path, rows)
+        self.bytes_read += t.numel() * t.element_size()
+        return t
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()

@@ -255,7 +255,7 @@ def cmd_check_faults(args) -> int:
 
 
 def _write_json(path: Path, obj: dict) -> None:
-    from dsv3_rl.checkpoint.hf_config import write_json_atomic
+    from dsv3_rl.fs import write_json_atomic
 
     path.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(path, obj)
@@ -277,17 +277,13 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--json", type=Path, help="write the report here")
         p.add_argument("--out", type=Path, default=Path("out/consistency"), help="plots go here (default out/consistency)")
     args = ap.parse_args(argv)
-    try:
-        if not (args.model / "config.json").is_file():
-            raise ConsistencyError(f"--model {args.model}: no config.json (an HF DeepSeek-V3 checkpoint dir)")
-        if args.max_tokens < 1:
-            raise ConsistencyError(f"--max-tokens {args.max_tokens}: must be >= 1")
-        if not 0.0 <= args.min_agreement <= 1.0:
-            raise ConsistencyError(f"--min-agreement {args.min_agreement}: must be within 0..1")
-        args.prompt_list = load_prompts(args.prompts)
-    except ConsistencyError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    if not (args.model / "config.json").is_file():
+        raise ConsistencyError(f"--model {args.model}: no config.json (an HF DeepSeek-V3 checkpoint dir)")
+    if args.max_tokens < 1:
+        raise ConsistencyError(f"--max-tokens {args.max_tokens}: must be >= 1")
+    if not 0.0 <= args.min_agreement <= 1.0:
+        raise ConsistencyError(f"--min-agreement {args.min_agreement}: must be within 0..1")
+    args.prompt_list = load_prompts(args.prompts)
     return cmd_run(args) if args.cmd == "run" else cmd_check_faults(args)
 
 

@@ -1,6 +1,7 @@
 """Router replay at a trainer layout, without a rollout engine: record, replay, and prove the replay bites.
 
-    [torchrun --nproc-per-node N] python -m dsv3_rl.consistency.replay_check [--layout tp=2,ep=2]
+    dsv3-replay-check [--layout tp=2,ep=2] ...     # = python -m dsv3_rl.consistency.replay_check; under torchrun:
+    torchrun --nproc-per-node N -m dsv3_rl.consistency.replay_check [--layout tp=2,ep=2]
         [--model tiny-vllm] [--dtype bf16|fp32] [--seq-length 64] [--json FILE] [--fault shift]
 
 On one micro-batch of random tokens, through megatron's pipeline schedule (forward + backward) and
@@ -146,7 +147,7 @@ def run(layout_text: str, model: str, dtype: str, seq_length: int, fault: str | 
 
 @cli_main
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dsv3_rl.consistency.replay_check", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="dsv3-replay-check", description=__doc__.split("\n")[0])
     ap.add_argument("--layout", default="tp=1", help="megatron layout, e.g. tp=2,ep=2 (world size from torchrun)")
     ap.add_argument("--model", default="tiny-vllm", help="a model preset of dsv3_rl.models.presets")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
@@ -163,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         for g in res["gates"]:
             print(f"  {'PASS' if g['passed'] else 'FAIL'}  {g['gate']}")
         if args.json:
-            from dsv3_rl.checkpoint.hf_config import write_json_atomic
+            from dsv3_rl.fs import write_json_atomic
 
             args.json.parent.mkdir(parents=True, exist_ok=True)
             write_json_atomic(args.json, res)

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from dsv3_rl.consistency import vllm_routes
+from dsv3_rl.fs import atomic_path
 
 FAULTS = vllm_routes.FAULTS
 DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
@@ -97,9 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     prompts = json.loads(args.prompts.read_text())
     result = generate(args.model, prompts, args.dtype, args.max_tokens, args.seed, args.fault)
-    tmp = args.out.with_name(args.out.name + ".tmp")
-    torch.save(result, tmp)
-    os.replace(tmp, args.out)
+    with atomic_path(args.out) as tmp:
+        torch.save(result, tmp)
     return 0
 
 

@@ -1,11 +1,12 @@
-"""``python -m dsv3_rl.convert``: DeepSeek-V3 HF <-> megatron-core checkpoint conversion.
+"""``dsv3-convert`` (``python -m dsv3_rl.convert``): DeepSeek-V3 HF <-> megatron-core checkpoint conversion.
 
-    python -m dsv3_rl.convert hf-to-mcore --hf-dir HF --out MCORE [--keep-mtp] [--spec both|local|te]
-    python -m dsv3_rl.convert mcore-to-hf --mcore-dir MCORE --out HF2 [--hf-dir HF]
-    python -m dsv3_rl.convert compare-hf HF HF2          # tensor-by-tensor, bytes; exit 1 on a difference
-    python -m dsv3_rl.convert plan --hf-dir HF           # validate the config, print the mapping (dry run)
-    python -m dsv3_rl.convert mcore-config --hf-dir HF   # the MLATransformerConfig kwargs (JSON)
-    torchrun --nproc-per-node 2 -m dsv3_rl.convert.verify --mcore-dir MCORE --hf-dir HF --tp 2 --out DIR
+    dsv3-convert hf-to-mcore --hf-dir HF --out MCORE [--keep-mtp] [--spec both|local|te] [--force]
+    dsv3-convert mcore-to-hf --mcore-dir MCORE --out HF2 [--hf-dir HF] [--force]
+    dsv3-convert compare-hf HF HF2          # tensor-by-tensor, bytes; exit 1 on a difference
+    dsv3-convert verify --mcore-dir MCORE --hf-dir HF --out DIR [--layout tp=2,ep=2]   # logits vs HF
+    dsv3-convert plan --hf-dir HF           # validate the config, print the mapping (dry run)
+    dsv3-convert mcore-config --hf-dir HF   # the MLATransformerConfig kwargs (JSON)
+    torchrun --nproc-per-node 2 -m dsv3_rl.convert verify --mcore-dir MCORE --hf-dir HF --layout tp=2 --out DIR
 
 Run the conversions under ``torchrun`` (any number of processes/nodes on a shared filesystem) to
 spread the I/O. Every run ends with one summary line (tensors, GB, GB/s, ranks, peak RSS).
@@ -20,6 +21,7 @@ import json
 import sys
 from pathlib import Path
 
+from dsv3_rl.convert import verify
 from dsv3_rl.errors import cli_main
 
 
@@ -67,13 +69,13 @@ def _mcore_config(args) -> int:
 
 @cli_main(interrupted="hf-to-mcore restarts, mcore-to-hf keeps finished shards; rerun the same command to resume")
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dsv3_rl.convert", description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog="dsv3-convert", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     s = sub.add_parser("hf-to-mcore", help="HF safetensors -> megatron torch_dist checkpoint (loads at any layout)")
     s.add_argument("--hf-dir", type=Path, required=True)
-    s.add_argument("--out", type=Path, required=True)
+    s.add_argument("--out", type=Path, required=True, help="megatron checkpoint dir to write")
     s.add_argument("--keep-mtp", action="store_true", help="convert the MTP layer(s) too (default: drop them)")
     s.add_argument("--spec", default="both", choices=["both", "local", "te"],
                    help="norm names to write: both (loads under the TE and the local spec; default), local, te")
@@ -86,19 +88,23 @@ def main(argv: list[str] | None = None) -> int:
 
     s = sub.add_parser("mcore-to-hf", help="megatron torch_dist checkpoint (any layout) -> HF safetensors")
     s.add_argument("--mcore-dir", type=Path, required=True)
-    s.add_argument("--out", type=Path, required=True)
+    s.add_argument("--out", type=Path, required=True, help="HF checkpoint dir to write")
     s.add_argument("--hf-dir", type=Path, default=None,
                    help="HF model dir for config/tokenizer (default: the copy our hf-to-mcore stored in the checkpoint)")
     s.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="cast the weights (the router expert bias stays fp32; default: keep the checkpoint dtype)")
     s.add_argument("--shard-gb", type=float, default=4.0)
     s.add_argument("--read-batch-mb", type=int, default=1024)
-    s.add_argument("--force", action="store_true")
+    s.add_argument("--force", action="store_true", help="replace a complete output")
     s.add_argument("--no-progress", action="store_true")
     s.add_argument("--model-size", default=None, help="A37B or auto: check the config describes that model")
 
     s = sub.add_parser("compare-hf", help="compare two HF checkpoints tensor by tensor (bytes)")
     s.add_argument("a", type=Path)
     s.add_argument("b", type=Path)
+
+    s = sub.add_parser("verify", help="load a megatron checkpoint at a layout (torchrun) and compare its logits with HF")
+    verify.add_arguments(s)
+    s.set_defaults(fn=verify.run)
 
     for name, fn in (("plan", _plan), ("mcore-config", _mcore_config)):
         s = sub.add_parser(name)

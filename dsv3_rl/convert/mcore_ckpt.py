@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from .st_io import CheckpointFormatError
+from dsv3_rl.checkpoint.safetensors_io import CheckpointFormatError
 
 MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.", "mtp.")
 

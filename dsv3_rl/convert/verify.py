@@ -1,7 +1,7 @@
 """Load a megatron checkpoint at a parallel layout and check the model's logits against HF's.
 
-    torchrun --nproc-per-node 2 -m dsv3_rl.convert.verify --mcore-dir MCORE --hf-dir HF --tp 2 --out DIR
-    python -m dsv3_rl.convert.verify --mcore-dir MCORE --hf-dir HF --out DIR   # TP1, one process
+    dsv3-convert verify --mcore-dir MCORE --hf-dir HF --out DIR                  # TP1, one process
+    torchrun --nproc-per-node 2 -m dsv3_rl.convert.verify --mcore-dir MCORE --hf-dir HF --layout tp=2 --out DIR
 
 The weights are loaded the way verl loads ``actor.megatron.dist_checkpointing_path``
 (``verl.utils.model.load_mcore_dist_weights``: the model's own ``sharded_state_dict()`` and an
@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from dsv3_rl.cliargs import add_layout
 from dsv3_rl.errors import cli_main
 
 
@@ -109,38 +110,41 @@ def hf_logits(hf_dir: Path, toks: torch.Tensor) -> torch.Tensor:
         return model(toks).logits.float()
 
 
-@cli_main
-def main(argv: list[str] | None = None) -> int:
-    from transformers import AutoConfig
-
-    from dsv3_rl.convert.config_map import Parallel
-
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--mcore-dir", type=Path, required=True)
     ap.add_argument("--hf-dir", type=Path, default=None, help="compare with this HF model (rank 0)")
     ap.add_argument("--hf-config", type=Path, default=None, help="HF config dir (default: --hf-dir, else MCORE/hf_meta)")
-    ap.add_argument("--out", type=Path, required=True)
-    for k in ("tp", "pp", "ep", "etp"):
-        ap.add_argument(f"--{k}", type=int, default=1)
-    ap.add_argument("--vpp", type=int, default=None)
-    ap.add_argument("--dispatcher", default="alltoall", choices=["alltoall", "allgather"])
+    ap.add_argument("--out", type=Path, required=True, help="logits.pt and compare.json go here")
+    add_layout(ap, help="the layout to load at; the world size comes from torchrun")
     ap.add_argument("--seq", type=int, default=16)
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--atol", type=float, default=1e-4)
     ap.add_argument("--verl-loader", action="store_true", help="load through verl.utils.model.load_mcore_dist_weights")
     ap.add_argument("--save-dir", type=Path, default=None,
                     help="after loading, save the model again with dist_checkpointing.save at this layout")
-    args = ap.parse_args(argv)
+
+
+@cli_main
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="dsv3-convert verify", description=__doc__.split("\n\n")[0])
+    add_arguments(ap)
+    return run(ap.parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    from transformers import AutoConfig
+
     cfg_dir = args.hf_config or args.hf_dir or args.mcore_dir / "hf_meta"
     hf_config = AutoConfig.from_pretrained(cfg_dir)
-    parallel = Parallel(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, vpp=args.vpp, dispatcher=args.dispatcher)
+    parallel = args.layout
     toks = tokens(hf_config.vocab_size, args.batch, args.seq)
     logits = megatron_logits(hf_config, parallel, args.mcore_dir, toks, args.verl_loader, args.save_dir)
     rc = 0
     if logits is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         torch.save(logits, args.out / "logits.pt")
-        layout = f"tp{args.tp} pp{args.pp} ep{args.ep} etp{args.etp}" + (f" vpp{args.vpp}" if args.vpp else "")
+        layout = (f"tp{parallel.tp} pp{parallel.pp} ep{parallel.ep} etp{parallel.etp_}"
+                  + (f" vpp{parallel.vpp}" if parallel.vpp else ""))
         if args.hf_dir:
             ref = hf_logits(args.hf_dir, toks)
             diff = (logits - ref).abs().max().item()

@@ -33,16 +33,18 @@ from typing import Any
 import torch
 
 from . import mcore_ckpt
-from dsv3_rl.checkpoint.hf_config import ConfigError, check_family, check_tensor_dtypes
-from dsv3_rl.checkpoint.safetensors_io import st_dtype
+from dsv3_rl.checkpoint.hf_config import ConfigError, check_family, check_tensor_dtypes, load_config
+from dsv3_rl.checkpoint.manifest import CONVERT_TOOL, MANIFEST, manifest_path, read_manifest, write_manifest
+from dsv3_rl.checkpoint.manifest import NAMES as MANIFEST_NAMES
+from dsv3_rl.checkpoint.safetensors_io import (CheckpointFormatError, HFReader, read_header, shard_names, st_dtype,
+                                              write_shard)
 from dsv3_rl.errors import Dsv3Error, check_space, describe_oserror
+from dsv3_rl.fs import fsync_dir, replace_dir, write_json_atomic
 
 from .config_map import UnsupportedConfigError
 from .mcore_ckpt import Chunk
 from .names import Item, MappingError, Plan, build_plan
-from .st_io import CheckpointFormatError, HFReader, read_header, shard_names, write_shard
 
-MANIFEST = "dsv3_convert.json"
 HF_META = "hf_meta"
 INCOMPLETE = ".incomplete"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".distcp", ".gguf")
@@ -125,9 +127,9 @@ def load_hf_config(hf_dir: Path) -> dict:
     if not path.exists():
         raise ConvertError(f"{path} does not exist (an HF model directory has a config.json)")
     try:
-        cfg = json.loads(path.read_text())
-    except ValueError as e:
-        raise ConvertError(f"{path}: not JSON ({e})") from None
+        cfg = load_config(path, family=False)
+    except ConfigError as e:
+        raise ConvertError(str(e)) from None
     archs = cfg.get("architectures") or []
     if cfg.get("model_type") != "deepseek_v3" or (archs and archs != ["DeepseekV3ForCausalLM"]):
         raise ConvertError(f"{path}: model_type={cfg.get('model_type')!r}, architectures={archs}: this converter is for "
@@ -197,20 +199,6 @@ def peak_rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20)
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
-    os.replace(tmp, path)
-
-
 def _copy_hf_aux(src: Path, dst: Path, skip: tuple[str, ...] = ()) -> list[str]:
     """Config, tokenizer, generation config, remote code: every small non-weight top-level file."""
     dst.mkdir(parents=True, exist_ok=True)
@@ -218,7 +206,7 @@ def _copy_hf_aux(src: Path, dst: Path, skip: tuple[str, ...] = ()) -> list[str]:
     for p in sorted(src.iterdir()):
         if not p.is_file() or p.name in skip or p.name.endswith(WEIGHT_SUFFIXES) or p.name.startswith("."):
             continue
-        if p.name in ("model.safetensors.index.json", "pytorch_model.bin.index.json", MANIFEST):
+        if p.name in ("model.safetensors.index.json", "pytorch_model.bin.index.json", *MANIFEST_NAMES):
             continue
         if p.stat().st_size > 64 << 20:
             continue
@@ -232,11 +220,14 @@ def _prepare_out(out: Path, force: bool, d: Dist, kind: str) -> tuple[Path, dict
     work = out.with_name(out.name + INCOMPLETE)
     decision: dict = {}
     if d.rank == 0:
-        if out.exists():
-            man = out / MANIFEST
-            if man.exists() and not force:
-                decision = {"existing": json.loads(man.read_text())}
-            elif not force:
+        if out.exists() and not force:
+            try:
+                existing = read_manifest(out, CONVERT_TOOL)
+            except Dsv3Error as e:  # not JSON: decided here, so that every rank raises it
+                existing, decision = None, {"error": f"{e}; remove it or pass --force"}
+            if existing is not None:
+                decision = {"existing": existing}
+            elif not decision:
                 decision = {"error": f"{out} exists and is not a conversion output of this tool (no {MANIFEST}); "
                                      f"remove it or pass --force"}
         if not decision:
@@ -254,16 +245,9 @@ def _prepare_out(out: Path, force: bool, d: Dist, kind: str) -> tuple[Path, dict
 def _finish_out(work: Path, out: Path, d: Dist) -> None:
     d.barrier()
     if d.rank == 0:
-        _fsync_dir(work)
-        if out.exists():
-            old = out.with_name(out.name + ".replaced")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(out, old)
-            os.replace(work, out)
-            shutil.rmtree(old)
-        else:
-            os.replace(work, out)
-        _fsync_dir(out.parent)
+        fsync_dir(work)
+        replace_dir(work, out)
+        fsync_dir(out.parent)
     d.barrier()
 
 
@@ -408,7 +392,7 @@ def _hf_to_mcore(hf_dir: Path, out: Path, keep_mtp: bool = False, spec: str = "b
         by_file.setdefault(r.path, {})[n] = r.dtype
     for f, dts in by_file.items():
         _check_dtypes(dts, f)
-    if force or not (out / MANIFEST).exists():
+    if force or manifest_path(out) is None:
         need = sum(math.prod(shape) * (_DTYPES[dtype].itemsize if dtype else reader.tensors[n].torch_dtype.itemsize)
                    for n, shape in plan.hf_shapes.items() if n in reader.tensors)
         _preflight(out, need, "the megatron checkpoint")
@@ -459,8 +443,8 @@ def _hf_to_mcore(hf_dir: Path, out: Path, keep_mtp: bool = False, spec: str = "b
         cfg_out = dict(cfg)
         if not keep_mtp:
             cfg_out["num_nextn_predict_layers"] = 0
-        _write_json(work / HF_META / "config.json", cfg_out)
-        _write_json(work / MANIFEST, {
+        write_json_atomic(work / HF_META / "config.json", cfg_out)
+        write_manifest(work, CONVERT_TOOL, {
             "complete": True, "direction": "hf->mcore", "format": "megatron-core torch_dist, global tensors",
             "source": str(hf_dir.resolve()), "keep_mtp": keep_mtp, "spec": spec, "dtype": dtype, "size_tag": size_tag(cfg),
             "tensors": n_tensors, "chunks": len(chunks), "extra_states": len(plan.extra_states), "bytes": total_bytes,
@@ -548,11 +532,11 @@ def _complete_shard(path: Path, entries: list[tuple[str, torch.dtype, tuple[int,
     if not path.exists():
         return False
     try:
-        hdr = read_header(path)
+        hdr = read_header(path).tensors
     except (OSError, ValueError):  # unreadable or malformed: not a complete shard, write it again
         return False
     return list(hdr) == [n for n, _, _ in entries] and all(
-        hdr[n].torch_dtype == dt and tuple(hdr[n].shape) == tuple(s) for n, dt, s in entries)
+        hdr[n].dtype == st_dtype(dt) and tuple(hdr[n].shape) == tuple(s) for n, dt, s in entries)
 
 
 def _mcore_to_hf(mcore_dir: Path, out: Path, hf_dir: Path | None = None, dtype: str | None = None,
@@ -592,7 +576,7 @@ def _mcore_to_hf(mcore_dir: Path, out: Path, hf_dir: Path | None = None, dtype: 
     fingerprint = hashlib.sha256(json.dumps([[n, str(hf_dtype[n]), plan.hf_shapes[n]] for n in hf_names]
                                             + [len(s) for s in shards]).encode()).hexdigest()
     _check_dtypes({n: st_dtype(dt) for n, dt in hf_dtype.items() if dt is not None}, mcore_dir)
-    if force or not (out / MANIFEST).exists():
+    if force or manifest_path(out) is None:
         _preflight(out, sum(sizes.values()), "the HF checkpoint")
     work, existing = _prepare_out(out, force, d, "hf")
     if existing is not None:
@@ -606,7 +590,7 @@ def _mcore_to_hf(mcore_dir: Path, out: Path, hf_dir: Path | None = None, dtype: 
             print(f"[convert] {work} is from a run with other settings; restarting", flush=True)
             shutil.rmtree(work)
             work.mkdir()
-        _write_json(plan_file, {"fingerprint": fingerprint, "files": files})
+        write_json_atomic(plan_file, {"fingerprint": fingerprint, "files": files})
         _norm_aliases_agree(plan, reader, mcore_dir)
     d.barrier()
 
@@ -670,13 +654,13 @@ def _mcore_to_hf(mcore_dir: Path, out: Path, hf_dir: Path | None = None, dtype: 
     total = sum(s[1] for s in stats)
     if d.rank == 0:
         weight_map = {n: files[i] for i, s in enumerate(shards) for n in s}
-        _write_json(work / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
+        write_json_atomic(work / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
         aux = _copy_hf_aux(meta_dir, work, skip=("config.json",))
         cfg_out = dict(cfg)
         cfg_out["num_nextn_predict_layers"] = len({k.split(".")[2] for k in reader.tensors if k.startswith("mtp.layers.")})
-        _write_json(work / "config.json", cfg_out)
+        write_json_atomic(work / "config.json", cfg_out)
         (work / "convert_plan.json").unlink()
-        _write_json(work / MANIFEST, {
+        write_manifest(work, CONVERT_TOOL, {
             "complete": True, "direction": "mcore->hf", "source": str(mcore_dir.resolve()), "fingerprint": fingerprint,
             "tensors": len(hf_names), "bytes": total, "shards": len(files), "hf_meta_files": aux,
             "ignored_checkpoint_keys": len(ignored),

@@ -1,13 +1,15 @@
 """Command line of the correctness suite.
 
-    python -m dsv3_rl.correctness run [--hf-model-path DIR] [--layouts tp1,tp2_sp,...|ci] [--dtype fp32|bf16]
+    dsv3-correctness run [--hf-model-path DIR] [--layout tp1 --layout tp=2,ep=2 ...|--layout ci] [--dtype fp32|bf16]
         [--batch-size 4] [--seq-length 32] [--micro-batch-size 1] [--plant-fault NAME] [--reference hf|mcore]
         [--json OUT.json] [--work DIR] [--keep-work] [--debug]
-    python -m dsv3_rl.correctness check-faults [--faults a,b] [same options]   # clean run + every planted fault
-    python -m dsv3_rl.correctness layouts      # the named layouts
-    python -m dsv3_rl.correctness faults       # the planted faults
+    dsv3-correctness check-faults [--faults a,b] [same options]   # clean run + every planted fault
+    dsv3-correctness layouts      # the named layouts
+    dsv3-correctness faults       # the planted faults
 
-Without ``--hf-model-path`` a random mini model of ``--preset`` (default tiny) is written first.
+(``python -m dsv3_rl.correctness`` is the same.) ``--layout`` repeats; each value is a named layout, a comma
+list of names (``tp1,tp2_sp``), ``ci``, or one ``tp=..,pp=..,ep=..`` spec.
+Without ``--hf-model-path`` a random mini model of ``--model`` (default tiny) is written first.
 Exit status: ``run``: 0 overall PASS, 1 FAIL (a planted fault must give 1), 2 usage error;
 ``check-faults``: 0 when the clean run PASSes and every planted fault FAILs, else 1.
 """
@@ -19,6 +21,7 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
+from dsv3_rl.cliargs import UsageError, usage_errors
 from dsv3_rl.errors import cli_main
 
 if TYPE_CHECKING:
@@ -31,11 +34,13 @@ def add_run_args(ap: argparse.ArgumentParser) -> None:
     from dsv3_rl.correctness import faults, layouts
 
     ap.add_argument("--hf-model-path", help="HF DeepSeek-V3 checkpoint dir (default: build a random mini model)")
-    ap.add_argument("--preset", default="tiny", help="mini model preset when no --hf-model-path (tiny, proxy, ...)")
+    ap.add_argument("--model", dest="preset", default="tiny",
+                    help="model preset of the random mini model when no --hf-model-path (tiny, proxy, ...)")
     ap.add_argument("--set", dest="preset_set", action="append", default=[], metavar="KEY=VALUE",
                     help="override a preset key of the mini model (JSON value), e.g. --set num_hidden_layers=2")
-    ap.add_argument("--layouts", default=None,
-                    help=f"comma list of layouts, or 'ci' ({','.join(layouts.CI_LAYOUTS)}, the default of `run`); "
+    ap.add_argument("--layout", dest="layouts", action="append", default=None, metavar="NAME|tp=..,pp=..",
+                    help=f"repeatable: a named layout (`layouts` lists them), a comma list of names, a "
+                         f"tp=..,pp=..,ep=.. spec, or 'ci' ({','.join(layouts.CI_LAYOUTS)}, the default of `run`); "
                          f"`check-faults` plants each fault at the first one (default tp1; TP faults at tp2_sp)")
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="candidate dtype (reference is fp32)")
     ap.add_argument("--batch-size", type=int, default=4, help="sequences in the global batch")
@@ -70,7 +75,7 @@ def _parse_set(items: list[str]) -> dict:
     for item in items:
         key, sep, value = item.partition("=")
         if not sep:
-            raise SystemExit(f"error: --set {item!r}: expected KEY=VALUE")
+            raise UsageError(f"--set {item!r}: expected KEY=VALUE")
         try:
             out[key] = json.loads(value)
         except json.JSONDecodeError:
@@ -99,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
 
     quiet()
 
-    ap = argparse.ArgumentParser(prog="python -m dsv3_rl.correctness", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="dsv3-correctness", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     add_run_args(sub.add_parser("run", help="run the suite"))
     chk = sub.add_parser("check-faults", help="clean run + every planted fault; each fault must FAIL")
@@ -116,28 +121,40 @@ def main(argv: list[str] | None = None) -> int:
         for f in faults.FAULTS.values():
             print(f"{f.name:<33} {f.description}\n{'':<33} fails: {f.catches}")
         return 0
-    default_layouts = "tp1" if args.cmd == "check-faults" else "ci"
-    if args.layouts is None:
-        args.layouts = default_layouts
-    names = layouts.CI_LAYOUTS if args.layouts == "ci" else [n.strip() for n in args.layouts.split(",") if n.strip()]
-    try:
-        lays = [layouts.get(n) for n in names]
-    except KeyError as e:
-        print(f"error: {e.args[0]}", file=sys.stderr)
-        return 2
+    lays = [_layout(n) for n in layout_names(args.layouts or ["tp1" if args.cmd == "check-faults" else "ci"])]
     from dsv3_rl.correctness.runner import run_fault_matrix, run_suite
 
     say = lambda s: print(s, flush=True)  # noqa: E731
-    try:
+    with usage_errors():
         if args.cmd == "check-faults":
             fnames = [n.strip() for n in args.faults.split(",")] if args.faults else None
             for n in fnames or []:
                 faults.get(n)
             return run_fault_matrix(options_from(args, lays), fnames, out=say)
         return run_suite(options_from(args, lays), out=say)
-    except (ValueError, KeyError) as e:
-        print(f"error: {e.args[0] if isinstance(e, KeyError) else e}", file=sys.stderr)
-        return 2
+
+
+def layout_names(values: list[str]) -> list[str]:
+    """``--layout`` values -> layout names/specs: ``ci`` is the CI set, ``a,b`` (no ``=``) a list of names,
+    anything with ``=`` one ``tp=..,pp=..`` spec."""
+    from dsv3_rl.correctness import layouts
+
+    out: list[str] = []
+    for v in values:
+        if v == "ci":
+            out += layouts.CI_LAYOUTS
+        elif "=" in v:
+            out.append(v)
+        else:
+            out += [n.strip() for n in v.split(",") if n.strip()]
+    return out
+
+
+def _layout(name: str):
+    from dsv3_rl.correctness import layouts
+
+    with usage_errors():
+        return layouts.get(name)
 
 
 if __name__ == "__main__":

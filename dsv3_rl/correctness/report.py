@@ -4,11 +4,10 @@ sections, ``Overall Result``), one block per layout, then a summary table; plus 
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 from pathlib import Path
 
 from dsv3_rl.correctness.compare import Check, Tolerance
+from dsv3_rl.fs import write_json_atomic
 
 SECTION_TITLES = [
     ("Config", "Checking Configuration"),
@@ -98,7 +97,4 @@ def write_json(path: Path, meta: dict, tol: Tolerance, results: list[LayoutResul
         "layouts": [{"layout": r.layout, "description": r.description, "result": "PASS" if r.passed else "FAIL",
                      "seconds": r.seconds, "checks": [c.to_json() for c in r.checks]} for r in results],
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=1, default=str) + "\n")
-    os.replace(tmp, path)
+    write_json_atomic(path, doc, indent=1, default=str, ensure_ascii=True)

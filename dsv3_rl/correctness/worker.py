@@ -24,12 +24,12 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
 import torch
+from dsv3_rl.fs import atomic_path
 
 T_START = time.time()
 
@@ -76,9 +76,8 @@ def run_job(spec: dict, job: dict, batch: dict) -> None:
                 micro_batch_size=mbs, seq_length=seq, sequence_parallel=layout.sp_)
     losses = [float(r["loss"]) for r in result] if ps.is_pipeline_last_stage(ignore_virtual=True) else None
     (out / "acts").mkdir(parents=True, exist_ok=True)
-    tmp = out / "acts" / f".rank{rank}.pt.tmp"
-    torch.save({"meta": meta, "records": dict(capture.records), "losses": losses}, tmp)
-    os.replace(tmp, out / "acts" / f"rank{rank}.pt")
+    with atomic_path(out / "acts" / f"rank{rank}.pt") as tmp:
+        torch.save({"meta": meta, "records": dict(capture.records), "losses": losses}, tmp)
 
     with runtime.grads_as_data(chunks):
         layout_check.save(chunks, out / "grads")

@@ -8,20 +8,19 @@ Output schema (identical for every dataset, so MATH and GSM8K files can be passe
     ability       string                      "math"
     reward_model  struct<style, ground_truth> style "rule"; ground_truth = the bare final answer
     extra_info    struct<split, index, level, type, question, solution>
-    prompt_text   string                      only with --apply_chat_template (see below)
+    prompt_text   string                      only with --apply-chat-template (see below)
 
 ``extra_info.index`` is the row's position in the source split (before filtering/sampling),
 so every output row can be traced back to its input row.
 
-Input: the dataset directory as downloaded (``{split}-*.parquet`` directly in ``--input_dir``
+Input: the dataset directory as downloaded (``{split}-*.parquet`` directly in ``--input-dir``
 or in its dataset-specific subfolder, ``data/`` for MATH-lighteval, ``main/`` for GSM8K), or,
-without ``--input_dir`` and with network access, the Hugging Face Hub by name.
+without ``--input-dir`` and with network access, the Hugging Face Hub by name.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -31,7 +30,9 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from dsv3_rl.cliargs import add_out, alias
 from dsv3_rl.errors import Dsv3Error
+from dsv3_rl.fs import atomic_path, replace_dir, sha256_file, write_text_atomic
 
 SPLITS = ("train", "test")
 DEFAULT_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
@@ -89,44 +90,6 @@ class SplitReport:
 # small utilities
 
 
-def _default_mode() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return 0o666 & ~mask
-
-
-def write_bytes_atomic(path: Path, data: bytes) -> None:
-    """Write via a temporary file in the same directory + ``os.replace`` (never half-written)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, _default_mode())  # mkstemp creates 0600
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    write_bytes_atomic(path, text.encode("utf-8"))
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _output_schema(with_prompt_text: bool):
     import pyarrow as pa
 
@@ -160,20 +123,8 @@ def write_records_atomic(path: Path, records: list[dict], with_prompt_text: bool
     import pyarrow.parquet as pq
 
     table = pa.Table.from_pylist(records, schema=_output_schema(with_prompt_text))
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
+    with atomic_path(path) as tmp:
         pq.write_table(table, tmp)
-        os.chmod(tmp, _default_mode())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
 
 
 # ---------------------------------------------------------------------------------------------
@@ -184,10 +135,10 @@ def find_split_files(input_dir: str | Path, spec: DatasetSpec, splits: Sequence[
     """``{split: [parquet files]}`` from ``input_dir`` or its dataset subfolder (``data/``, ``main/``)."""
     root = Path(input_dir).expanduser()
     if not root.exists():
-        raise DataPrepError(f"--input_dir {root} does not exist. {spec.download_hint}")
+        raise DataPrepError(f"--input-dir {root} does not exist. {spec.download_hint}")
     if not root.is_dir():
         raise DataPrepError(
-            f"--input_dir {root} is not a directory (expected the dataset folder). {spec.download_hint}"
+            f"--input-dir {root} is not a directory (expected the dataset folder). {spec.download_hint}"
         )
     for d in [root] + [root / s for s in spec.subdirs]:
         found = {sp: sorted(d.glob(f"{sp}-*.parquet")) for sp in splits}
@@ -230,7 +181,7 @@ def fetch_from_hub(spec: DatasetSpec, splits: Sequence[str], hub_name: str | Non
     name = hub_name or spec.hub_name
     if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
         raise DataPrepError(
-            f"no --input_dir given and HF_HUB_OFFLINE is set, so {name} cannot be fetched. {spec.download_hint}"
+            f"no --input-dir given and HF_HUB_OFFLINE is set, so {name} cannot be fetched. {spec.download_hint}"
         )
     try:
         import datasets
@@ -340,7 +291,7 @@ def convert_split(
     n_bad = sum(report.bad.values())
     if report.read and n_bad / report.read > args.max_bad_frac:
         raise DataPrepError(
-            f"{split}: {n_bad}/{report.read} rows unusable ({report.bad}), above --max_bad_frac "
+            f"{split}: {n_bad}/{report.read} rows unusable ({report.bad}), above --max-bad-frac "
             f"{args.max_bad_frac}; first: {'; '.join(report.bad_examples[:5])}"
         )
 
@@ -430,43 +381,47 @@ def validate_rl_parquet(path: str | Path, data_source: str | None = None, requir
 
 def add_arguments(ap: argparse.ArgumentParser, spec: DatasetSpec) -> None:
     ap.add_argument(
-        "--input_dir",
+        "--input-dir",
+        dest="input_dir",
         default=None,
         help=f"dataset folder as downloaded ({spec.subdirs[0]}/{{train,test}}-*.parquet); omit to fetch "
         f"{spec.hub_name} from the Hugging Face Hub (needs network)",
     )
-    ap.add_argument("--local_dir", default=spec.default_local_dir, help="output folder (train.parquet, test.parquet)")
+    add_out(ap, "--local_dir", dest="local_dir", metavar="DIR", default=spec.default_local_dir,
+            help=f"output folder (train.parquet, test.parquet; default {spec.default_local_dir})")
     ap.add_argument(
-        "--hub_name", default=None, help=f"hub dataset to fetch without --input_dir (default {spec.hub_name})"
+        "--hub-name", default=None, help=f"hub dataset to fetch without --input-dir (default {spec.hub_name})"
     )
     ap.add_argument("--splits", default="train,test", help="comma-separated splits to convert (default train,test)")
-    ap.add_argument("--train_size", type=int, default=None, help="sample this many train rows (default: all)")
-    ap.add_argument("--test_size", type=int, default=None, help="sample this many test rows (default: all)")
+    ap.add_argument("--train-size", type=int, default=None, help="sample this many train rows (default: all)")
+    ap.add_argument("--test-size", type=int, default=None, help="sample this many test rows (default: all)")
     ap.add_argument("--seed", type=int, default=42, help="seed for sampling / shuffling")
     ap.add_argument("--shuffle", action="store_true", help="shuffle output rows (default: source order)")
     ap.add_argument("--tokenizer", default=None, help="tokenizer dir / hub id / tokenizer.json for length filtering")
-    ap.add_argument("--trust_remote_code", action="store_true", help="passed to AutoTokenizer.from_pretrained")
+    ap.add_argument("--trust-remote-code", action="store_true", help="passed to AutoTokenizer.from_pretrained")
     ap.add_argument(
-        "--max_prompt_length",
+        "--max-prompt-length",
         type=int,
         default=None,
         help="drop prompts longer than this many tokens (chat template applied, as verl counts); needs --tokenizer",
     )
     ap.add_argument(
-        "--apply_chat_template",
+        "--apply-chat-template",
         action="store_true",
         help="also store the templated prompt string in a 'prompt_text' column (verl itself always "
         "templates 'prompt' at rollout); needs --tokenizer with a chat template",
     )
     ap.add_argument("--instruction", default=DEFAULT_INSTRUCTION, help="appended to each problem (after a space)")
-    ap.add_argument("--system_prompt", default=None, help="optional system message")
-    ap.add_argument("--data_source", default=None, help=f"data_source to write (default {spec.data_source})")
+    ap.add_argument("--system-prompt", default=None, help="optional system message")
+    ap.add_argument("--data-source", default=None, help=f"data_source to write (default {spec.data_source})")
     ap.add_argument(
-        "--max_bad_frac",
+        "--max-bad-frac",
         type=float,
         default=0.01,
         help="fail if more than this fraction of a split is unusable (e.g. no boxed answer); default 0.01",
     )
+    # the seed's spellings (toolkits/verl_data_preprocessing, README): parse, not listed in --help
+    alias(ap, "--input-dir", "--input_dir")
 
 
 def check_args(args: argparse.Namespace) -> list[str]:
@@ -477,11 +432,11 @@ def check_args(args: argparse.Namespace) -> list[str]:
     for name in ("train_size", "test_size", "max_prompt_length"):
         v = getattr(args, name)
         if v is not None and v <= 0:
-            raise DataPrepError(f"--{name} must be a positive integer, got {v}")
+            raise DataPrepError(f"--{name.replace('_', '-')} must be a positive integer, got {v}")
     if not 0.0 <= args.max_bad_frac <= 1.0:
-        raise DataPrepError(f"--max_bad_frac must be in [0, 1], got {args.max_bad_frac}")
+        raise DataPrepError(f"--max-bad-frac must be in [0, 1], got {args.max_bad_frac}")
     if (args.max_prompt_length or args.apply_chat_template) and not args.tokenizer:
-        raise DataPrepError("--max_prompt_length / --apply_chat_template need --tokenizer")
+        raise DataPrepError("--max-prompt-length / --apply-chat-template need --tokenizer")
     if "\\boxed" not in (args.instruction or ""):
         print(
             "warning: --instruction does not ask for \\boxed{}; the reward (toolkits/reward/math_reward.py) "
@@ -499,7 +454,7 @@ def run(spec: DatasetSpec, args: argparse.Namespace) -> dict:
     if args.tokenizer:
         tokenizer = load_tokenizer(args.tokenizer, args.trust_remote_code)
         if args.apply_chat_template and not getattr(tokenizer, "chat_template", None):
-            raise DataPrepError(f"--apply_chat_template: tokenizer {args.tokenizer} has no chat template")
+            raise DataPrepError(f"--apply-chat-template: tokenizer {args.tokenizer} has no chat template")
         if not getattr(tokenizer, "chat_template", None):
             print(
                 f"warning: tokenizer {args.tokenizer} has no chat template; lengths are counted on the raw "
@@ -518,7 +473,7 @@ def run(spec: DatasetSpec, args: argparse.Namespace) -> dict:
                 rows = read_parquet_rows(f, spec)
                 labelled[sp] += [(f"{f}:{i}", r) for i, r in enumerate(rows)]
                 reports[sp].files.append(str(f))
-                inputs.append({"file": str(f), "rows": len(rows), "sha256": _sha256(f)})
+                inputs.append({"file": str(f), "rows": len(rows), "sha256": sha256_file(f)})
             if not labelled[sp]:
                 raise DataPrepError(f"{sp}: {', '.join(map(str, files[sp]))} contain no rows")
     else:
@@ -533,7 +488,7 @@ def run(spec: DatasetSpec, args: argparse.Namespace) -> dict:
 
     out_dir = Path(args.local_dir).expanduser()
     if out_dir.exists() and not out_dir.is_dir():
-        raise DataPrepError(f"--local_dir {out_dir} exists and is not a directory")
+        raise DataPrepError(f"--out {out_dir} exists and is not a directory")
     records = {sp: convert_split(sp, labelled[sp], spec, args, tokenizer, reports[sp]) for sp in splits}
     # Every output of the run is written to a staging sibling and swapped in at once (commit_staged):
     # a failure (bad row, disk full, read-only, interrupt) leaves the previous run as it was, never a mix.
@@ -567,15 +522,10 @@ def commit_staged(staging: Path, out_dir: Path) -> None:
     OUT_DIR absent or holding only OUTPUTS: one directory swap. Otherwise (the user keeps other files
     there, which are left untouched) the previous outputs are moved aside, then the new ones moved in:
     renames only, nothing to write, so it cannot run out of space half-way."""
+    if not out_dir.exists() or all(p.name in OUTPUTS for p in out_dir.iterdir()):
+        replace_dir(staging, out_dir)
+        return
     old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-    if not out_dir.exists():
-        os.replace(staging, out_dir)
-        return
-    if all(p.name in OUTPUTS for p in out_dir.iterdir()):
-        os.replace(out_dir, old)
-        os.replace(staging, out_dir)
-        shutil.rmtree(old, ignore_errors=True)
-        return
     old.mkdir()
     for name in OUTPUTS:
         if (out_dir / name).exists():

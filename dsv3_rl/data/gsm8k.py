@@ -1,7 +1,7 @@
 """GSM8K -> verl RL parquet (``python -m dsv3_rl.data.gsm8k``).
 
     modelscope download --dataset modelscope/gsm8k --local_dir DIR   # or the HF copy openai/gsm8k
-    python -m dsv3_rl.data.gsm8k --input_dir DIR --local_dir OUT
+    dsv3-prep-data gsm8k --input-dir DIR --out OUT     # or python -m dsv3_rl.data.gsm8k
 
 Input columns: question, answer (reasoning ending in ``#### N``). The ground truth is N with
 thousands separators removed; an answer without a numeric ``#### N`` is an unusable row. The
@@ -43,7 +43,7 @@ SPEC = DatasetSpec(
     default_local_dir="~/data/gsm8k",
     download_hint=(
         "Download it with `huggingface-cli download openai/gsm8k --repo-type dataset --local-dir DIR` "
-        "(or `modelscope download --dataset modelscope/gsm8k --local_dir DIR`) and pass --input_dir DIR."
+        "(or `modelscope download --dataset modelscope/gsm8k --local_dir DIR`) and pass --input-dir DIR."
     ),
 )
 

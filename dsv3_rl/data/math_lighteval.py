@@ -1,11 +1,11 @@
 """MATH-lighteval -> verl RL parquet (``python -m dsv3_rl.data.math_lighteval``).
 
     modelscope download --dataset AI-ModelScope/MATH-lighteval --local_dir DIR   # or the HF copy
-    python -m dsv3_rl.data.math_lighteval --input_dir DIR --local_dir OUT
+    dsv3-prep-data math-lighteval --input-dir DIR --out OUT     # or python -m dsv3_rl.data.math_lighteval
 
 Input columns: problem, level, solution, type. The ground truth is the content of the last
 ``\\boxed{...}`` / ``\\fbox{...}`` in the solution (nested braces handled); a solution without
-one is an unusable row (counted; the run fails above ``--max_bad_frac``).
+one is an unusable row (counted; the run fails above ``--max-bad-frac``).
 """
 
 from __future__ import annotations
@@ -49,14 +49,14 @@ SPEC = DatasetSpec(
     download_hint=(
         "Download it with `modelscope download --dataset AI-ModelScope/MATH-lighteval --local_dir DIR` "
         "(or `huggingface-cli download DigitalLearningGmbH/MATH-lighteval --repo-type dataset --local-dir DIR`) "
-        "and pass --input_dir DIR."
+        "and pass --input-dir DIR."
     ),
 )
 
 
 @cli_main(interrupted='the previous outputs are as they were; rerun the same command')
 def main(argv: list[str] | None = None) -> int:
-    return main_for(SPEC, argv, prog="dsv3-prep-data math_lighteval", doc=__doc__)
+    return main_for(SPEC, argv, prog="dsv3-prep-data math-lighteval", doc=__doc__)
 
 
 if __name__ == "__main__":

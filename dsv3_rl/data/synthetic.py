@@ -1,6 +1,7 @@
 """A synthetic MATH-format task the tiny DeepSeek-V3 can learn: identity arithmetic on one digit.
 
-    python -m dsv3_rl.data.synthetic OUT_DIR        # OUT_DIR/data/{train,test}-00000-of-00001.parquet
+    dsv3-prep-data synthetic --out OUT_DIR     # OUT_DIR/data/{train,test}-00000-of-00001.parquet
+    python -m dsv3_rl.data.synthetic OUT_DIR   # the same (OUT_DIR may be positional)
 
 Each problem is one of eight phrasings of "the value of a single digit d" (``What is $7$ plus
 zero?``, ``Evaluate $|7|$.``, ...), d in 1..9; the answer goes in ``\\boxed{}`` and is graded by our
@@ -21,7 +22,9 @@ import argparse
 import random
 import sys
 from pathlib import Path
+from dsv3_rl.cliargs import add_out, one_path
 from dsv3_rl.errors import cli_main
+from dsv3_rl.fs import atomic_path
 
 TEMPLATES = (
     "What is ${d}$ plus zero?",
@@ -62,7 +65,6 @@ def rows(seed: int = 0) -> tuple[list[dict], list[dict]]:
 
 def write(out_dir: str | Path, seed: int = 0) -> Path:
     """Write OUT_DIR/data/{train,test}-00000-of-00001.parquet (MATH-lighteval layout), atomically per file."""
-    import os
 
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -70,20 +72,26 @@ def write(out_dir: str | Path, seed: int = 0) -> Path:
     data = Path(out_dir) / "data"
     data.mkdir(parents=True, exist_ok=True)
     for split, rs in zip(("train", "test"), rows(seed)):
-        path = data / f"{split}-00000-of-00001.parquet"
-        tmp = path.with_name(path.name + ".tmp")
-        pq.write_table(pa.Table.from_pylist(rs), tmp)
-        os.replace(tmp, path)
+        with atomic_path(data / f"{split}-00000-of-00001.parquet") as tmp:
+            pq.write_table(pa.Table.from_pylist(rs), tmp)
     return Path(out_dir)
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("out_dir", nargs="?", help="same as --out")
+    add_out(ap, metavar="DIR", help="directory to write (MATH-lighteval layout: OUT/data/*.parquet)")
+    ap.add_argument("--seed", type=int, default=0)
 
 
 @cli_main(interrupted='the previous outputs are as they were; rerun the same command')
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dsv3_rl.data.synthetic", description=__doc__.split("\n\n")[0])
-    ap.add_argument("out", help="directory to write (MATH-lighteval layout: OUT/data/*.parquet)")
-    ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args(argv)
-    out = write(args.out, args.seed)
+    ap = argparse.ArgumentParser(prog="dsv3-prep-data synthetic", description=__doc__.split("\n\n")[0])
+    add_arguments(ap)
+    return run(ap.parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    out = write(one_path("OUT_DIR", args.out_dir, "--out", args.out), args.seed)
     train, test = rows(args.seed)
     print(f"[synthetic] {len(train)} train / {len(test)} test problems -> {out}/data")
     return 0

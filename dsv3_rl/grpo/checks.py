@@ -298,7 +298,7 @@ def check_checkpoint(initial_dir: Path, saved_dir: Path, hf_dir: Path, tol: dict
     from dsv3_rl.mcore import runtime
 
     out: list[Check] = []
-    runtime.init_distributed(runtime.Parallel() if hasattr(runtime, "Parallel") else _parallel1())
+    runtime.init_distributed(_parallel1())
     try:
         initial, saved = _load_plain(initial_dir), _load_plain(saved_dir)
         change, problems = weight_change(initial, saved)
@@ -317,9 +317,9 @@ def check_checkpoint(initial_dir: Path, saved_dir: Path, hf_dir: Path, tol: dict
 
 
 def _parallel1():
-    from dsv3_rl.convert.config_map import Parallel
+    from dsv3_rl.layout import Layout
 
-    return Parallel()
+    return Layout()  # TP1, one process
 
 
 def _reload(saved_dir: Path, hf_dir: Path) -> Check:

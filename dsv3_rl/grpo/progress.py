@@ -15,7 +15,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from dsv3_rl.data.common import write_bytes_atomic
+from dsv3_rl.fs import write_bytes_atomic
 from dsv3_rl.grpo.checks import (PROB_DIFF_MAX, PROB_DIFF_MEAN, REWARD_KEYS, CheckError, read_metrics,
                                  route_agreement)
 

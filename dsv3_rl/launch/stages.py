@@ -1,15 +1,15 @@
 """Pipeline stages before training, each skipped when its verified output exists.
 
 =========  ==========================================================================================
-weights    synthetic presets (tiny, proxy): ``python -m dsv3_rl.models.mini_model MODEL OUT``
-fp8_cast   FP8 release -> BF16: ``python -m dsv3_rl.checkpoint.fp8 cast IN OUT``; done when the tool's
-           manifest (``.dsv3-convert-manifest.json``) says complete for this input
+weights    synthetic presets (tiny, proxy): ``python -m dsv3_rl.models.mini_model --model MODEL --out OUT``
+fp8_cast   FP8 release -> BF16: ``python -m dsv3_rl.checkpoint.fp8 cast IN --out OUT``; done when the tool's
+           manifest (``dsv3_manifest.json``) says complete for this input
 hf_config  config.json fix-ups (quantization_config, MTP, topk_method, ...):
            ``python -m dsv3_rl.checkpoint.hf_config DIR``; done when ``--check`` finds nothing to change
 convert    HF -> megatron-core dist checkpoint: ``python -m dsv3_rl.convert hf-to-mcore --hf-dir HF --out MCORE``
-           (``CONVERT_NPROC=N``: under torchrun); done when its ``dsv3_convert.json`` says complete for this
+           (``CONVERT_NPROC=N``: under torchrun); done when its ``dsv3_manifest.json`` says complete for this
            source. verl then loads it with ``use_dist_checkpointing``
-data       dataset -> verl RL parquet: ``python -m dsv3_rl.data.<dataset> --input_dir RAW --local_dir OUT``
+data       dataset -> verl RL parquet: ``python -m dsv3_rl.data.<dataset> --input-dir RAW --out OUT``
 =========  ==========================================================================================
 
 A stage that the launcher ran leaves ``.dsv3-launch-<stage>.json`` in its output directory: the exact
@@ -30,8 +30,8 @@ from pathlib import Path
 from collections.abc import Callable
 from dsv3_rl.errors import Dsv3Error
 
-FP8_MANIFEST = ".dsv3-convert-manifest.json"
-CONVERT_MANIFEST = "dsv3_convert.json"  # dsv3_rl.convert.weights.MANIFEST
+from dsv3_rl.checkpoint.manifest import CONVERT_TOOL, FP8_TOOL, MANIFEST, read_manifest
+from dsv3_rl.fs import write_json_atomic
 
 
 @dataclasses.dataclass
@@ -48,7 +48,7 @@ class Stage:
     """set when the stage cannot run (missing input, missing tool): the message says what to do"""
     ran: bool = False
     force_flag: str | None = None
-    """the tool's own flag to replace a previous output (``--overwrite``, ``--force``), added when forced"""
+    """the tool's flag to replace a previous output (``--force``, docs/cli.md), added when forced"""
     forced: bool = False
 
     def force(self) -> None:
@@ -124,12 +124,9 @@ class Stage:
         if missing:
             raise StageError(f"stage {self.name} finished but did not write {missing[0]}")
         if self.marker is not None:
-            self.marker.parent.mkdir(parents=True, exist_ok=True)
             rec = {**self.signature(), "stage": self.name, "finished": time.strftime("%Y-%m-%dT%H:%M:%S"),
                    "seconds": round(time.monotonic() - t0, 1)}
-            tmp = self.marker.with_name(self.marker.name + f".tmp-{os.getpid()}")
-            tmp.write_text(json.dumps(rec, indent=1) + "\n")
-            os.replace(tmp, self.marker)
+            write_json_atomic(self.marker, rec, indent=1, ensure_ascii=True)
         self.ran = True
         log(f"[stage {self.name}] done in {time.monotonic() - t0:.1f}s")
 
@@ -176,7 +173,7 @@ def build_stages(preset, paths, *, max_prompt_length: int | None, model_cfg: dic
     why = (f"shipped in the repository ({w.get('path')})" if w["source"] == "shipped"
            else "weights come from a download (MODEL_PATH)")
     st = Stage("weights", needed=synthetic, why=why,
-               argv=_py("dsv3_rl.models.mini_model", model_name, str(model_dir), "--overwrite"),
+               argv=_py("dsv3_rl.models.mini_model", "--model", model_name, "--out", str(model_dir), "--force"),
                out_dir=model_dir, outputs=[model_dir / "config.json"], inputs=[])
     if synthetic:
         st.verify = lambda d=model_dir: ((_has_weights(d), "weights present") if _has_weights(d)
@@ -192,19 +189,21 @@ def build_stages(preset, paths, *, max_prompt_length: int | None, model_cfg: dic
     fp8 = w["fp8"] is True or (w["fp8"] == "auto" and is_fp8(model_dir, model_cfg))
     st = Stage("fp8_cast", needed=fp8 and hf_dir != model_dir,
                why="checkpoint is BF16 already" if not fp8 else "HF_PATH is MODEL_PATH",
-               argv=_py("dsv3_rl.checkpoint.fp8", "cast", str(model_dir), str(hf_dir)),
-               out_dir=None, outputs=[hf_dir / "config.json"], inputs=[model_dir / "config.json"], force_flag="--overwrite")
+               argv=_py("dsv3_rl.checkpoint.fp8", "cast", str(model_dir), "--out", str(hf_dir)),
+               out_dir=None, outputs=[hf_dir / "config.json"], inputs=[model_dir / "config.json"], force_flag="--force")
 
     def verify_cast(out=hf_dir, src=model_dir):
         try:
-            man = json.loads((out / FP8_MANIFEST).read_text())
-        except (OSError, json.JSONDecodeError):
-            return False, f"no complete {FP8_MANIFEST} in {out}"
+            man = read_manifest(out, FP8_TOOL)
+        except (OSError, Dsv3Error):
+            man = None
+        if man is None:
+            return False, f"no complete {MANIFEST} of the FP8 cast in {out}"
         if not man.get("complete"):
-            return False, f"{out / FP8_MANIFEST} says incomplete (an interrupted cast resumes)"
+            return False, f"{out / MANIFEST} says incomplete (an interrupted cast resumes)"
         if Path(man.get("input", "")).resolve() != src.resolve():
             return False, f"{out} is a cast of {man.get('input')}, not of {src}"
-        return True, f"{FP8_MANIFEST} complete"
+        return True, f"{MANIFEST} complete"
 
     st.verify = verify_cast
     if fp8 and hf_dir == model_dir:
@@ -244,14 +243,16 @@ def build_stages(preset, paths, *, max_prompt_length: int | None, model_cfg: dic
 
     def verify_mcore(out=mcore, src=hf_dir):
         try:
-            man = json.loads((out / CONVERT_MANIFEST).read_text())
-        except (OSError, json.JSONDecodeError):
-            return False, f"no {CONVERT_MANIFEST} in {out}"
+            man = read_manifest(out, CONVERT_TOOL)
+        except (OSError, Dsv3Error):
+            man = None
+        if man is None:
+            return False, f"no {MANIFEST} of the converter in {out}"
         if not man.get("complete") or man.get("direction") != "hf->mcore":
-            return False, f"{out / CONVERT_MANIFEST} is not a complete hf->mcore conversion"
+            return False, f"{out / MANIFEST} is not a complete hf->mcore conversion"
         if Path(man.get("source", "")).resolve() != src.resolve():
             return False, f"{out} was converted from {man.get('source')}, not from {src}"
-        return True, f"{CONVERT_MANIFEST} complete, from {src.name}"
+        return True, f"{MANIFEST} complete, from {src.name}"
 
     st.verify = verify_mcore
     stages.append(st)
@@ -259,12 +260,12 @@ def build_stages(preset, paths, *, max_prompt_length: int | None, model_cfg: dic
     # data -----------------------------------------------------------------------------------------
     d = preset.data
     raw, out = Path(paths.data_raw), Path(paths.data)
-    argv = _py(f"dsv3_rl.data.{d['dataset']}", "--input_dir", str(raw), "--local_dir", str(out))
+    argv = _py(f"dsv3_rl.data.{d['dataset']}", "--input-dir", str(raw), "--out", str(out))
     for k in ("train_size", "test_size"):
         if d.get(k):
-            argv += [f"--{k}", str(d[k])]
+            argv += [f"--{k.replace('_', '-')}", str(d[k])]
     if d.get("length_filter") and max_prompt_length:
-        argv += ["--tokenizer", str(hf_dir), "--max_prompt_length", str(max_prompt_length)]
+        argv += ["--tokenizer", str(hf_dir), "--max-prompt-length", str(max_prompt_length)]
     raw_files = sorted(raw.rglob("*.parquet")) if raw.is_dir() else []
     st = Stage("data", needed=True, why="", argv=argv, out_dir=out,
                outputs=[out / "train.parquet", out / "test.parquet", out / "prep_summary.json"], inputs=raw_files)

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from dsv3_rl.launch import monitor
+from dsv3_rl.fs import write_json_atomic
 
 TRACKER = "latest_checkpointed_iteration.txt"  # verl's "last complete checkpoint" file under CKPT_DIR
 PREFIX = "[dsv3-grpo]"
@@ -50,9 +51,7 @@ def prepare_metrics(metrics: Path, resume_step: int | None) -> None:
         return
     if metrics.is_file():
         os.replace(metrics, metrics.with_name(f"{metrics.stem}.attempt-{len(olds) + 1}{metrics.suffix}"))
-    tmp = marker.with_name(marker.name + f".tmp-{os.getpid()}")
-    tmp.write_text(json.dumps({"resumed_from": resume_step}) + "\n")
-    os.replace(tmp, marker)
+    write_json_atomic(marker, {"resumed_from": resume_step}, indent=None)
 
 
 def resumed_from(metrics: Path) -> int | None:
@@ -140,9 +139,7 @@ def _checks(launch, metrics: Path, total: int, run_info: dict | None = None):
         report = checks_mod.check_run(metrics, total, initial, paths.ckpt, paths.hf, tolerances,
                                       resumed_from(metrics))
     out = paths.logs / "report.json"
-    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
-    tmp.write_text(json.dumps({**report.to_json(), "run": run_info or {}}, indent=2, default=str) + "\n")
-    os.replace(tmp, out)
+    write_json_atomic(out, {**report.to_json(), "run": run_info or {}}, default=str, ensure_ascii=True)
     return report
 
 

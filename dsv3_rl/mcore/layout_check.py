@@ -1,7 +1,7 @@
 """Run one training step of a DeepSeek-V3 GPTModel at some parallel layout and save what it did.
 
-    python -m dsv3_rl.mcore.layout_check --hf-config CFG.json --weights CKPT --out DIR \
-        [--tp 2] [--pp 1] [--ep 1] [--etp 1] [--sp/--no-sp] [--dispatcher alltoall]
+    dsv3-layout-check --hf-config CFG.json --weights CKPT --out DIR [--layout tp=2,pp=1,ep=1,etp=1,sp=true]
+    (or python -m dsv3_rl.mcore.layout_check; --layout takes any dsv3_rl.layout.Layout field, e.g. dispatcher=allgather)
 
 Launch it with ``torchrun --nproc-per-node N`` (or as one process). It loads the model weights from
 the megatron dist checkpoint ``CKPT`` (``--init`` writes a freshly initialised one instead, single
@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from dsv3_rl.cliargs import add_layout
 from dsv3_rl.errors import cli_main
 from dsv3_rl.convert.config_map import Parallel
 from dsv3_rl.mcore import runtime
@@ -125,16 +126,12 @@ def load_full(hf_config, path: Path, dtype: torch.dtype = torch.float32) -> dict
 def main(argv: list[str] | None = None) -> int:
     from transformers import AutoConfig
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="dsv3-layout-check", description=__doc__.split("\n\n")[0])
     ap.add_argument("--hf-config", required=True, help="HF model dir or config.json")
     ap.add_argument("--weights", type=Path, required=True)
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--out", type=Path, required=True, help="grads/ and loss.json go here")
     ap.add_argument("--init", action="store_true", help="initialise and write --weights (single layout)")
-    for k in ("tp", "pp", "ep", "etp"):
-        ap.add_argument(f"--{k}", type=int, default=1)
-    ap.add_argument("--vpp", type=int, default=None)
-    ap.add_argument("--sp", action=argparse.BooleanOptionalAction, default=None)
-    ap.add_argument("--dispatcher", default="alltoall", choices=["alltoall", "allgather"])
+    add_layout(ap, help="the layout to run at; the world size comes from torchrun")
     ap.add_argument("--num-microbatches", type=int, default=2)
     ap.add_argument("--micro-batch-size", type=int, default=2)
     ap.add_argument("--seq-length", type=int, default=16)
@@ -142,8 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     cfg_path = Path(args.hf_config)
     hf_config = AutoConfig.from_pretrained(cfg_path.parent if cfg_path.is_file() else cfg_path)
-    parallel = Parallel(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, vpp=args.vpp, sp=args.sp,
-                        dispatcher=args.dispatcher)
+    parallel = args.layout
     args.out.mkdir(parents=True, exist_ok=True)
     step(hf_config, parallel, args.weights, args.out, args.num_microbatches, args.micro_batch_size, args.seq_length,
          args.init, torch.float32 if args.dtype == "fp32" else torch.bfloat16)

@@ -17,11 +17,18 @@ Weights: normal(0, 0.02) for matrices, 1 for norms, small random nonzero ``e_sco
 (so routing tests see it); each tensor from its own generator seeded by (seed, name), so values do
 not depend on sharding or format. The "deepseek-v3" preset (671B) writes the config only.
 
+``write_random_hf(config, out_dir, ...)`` (the converter's tests) writes any config in BF16 *with* its
+MTP layers, norms that are not all ones, MTP embed/head equal to the main ones, through the same shard
+writer.
+
 CLI::
 
-    python -m dsv3_rl.models.mini_model PRESET OUT_DIR [--format hf|fp8-release] [--dtype bf16|fp32]
-        [--shards N] [--seed S] [--set key=value ...] [--overwrite]
-    python -m dsv3_rl.models.mini_model --list
+    dsv3-mini-model --model PRESET --out OUT_DIR [--format hf|fp8-release] [--dtype bf16|fp32]
+        [--shards N] [--seed S] [--set key=value ...] [--force]
+    dsv3-mini-model PRESET OUT_DIR [...]     # the same, positionally
+    dsv3-mini-model --list
+
+(``python -m dsv3_rl.models.mini_model`` is the same.)
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ import math
 import os
 import shutil
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,7 +51,9 @@ import torch
 from . import presets
 from .tokenizer import copy_tokenizer_files
 
+from dsv3_rl.cliargs import UsageError, add_force, add_out, one_path, usage_errors
 from dsv3_rl.errors import cli_main
+from dsv3_rl.fs import replace_dir
 
 FORMATS = ("hf", "fp8-release")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -201,26 +211,90 @@ def write_mini_model(preset: str, out_dir: str | os.PathLike, seed: int = 0, dty
     if fmt == "fp8-release" and dtype != "bf16":
         raise ValueError("the fp8-release format stores its non-FP8 tensors in bf16; use --dtype bf16")
     kwargs = presets.preset_kwargs(name, overrides)
-    out = Path(out_dir)
+    return _build_dir(Path(out_dir), overwrite, lambda tmp: _write(name, kwargs, tmp, seed, dtype, fmt, shards))
+
+
+def write_random_hf(config: Any, out_dir: str | os.PathLike, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
+                    shard_gb: float = 2.0, keep_mtp: bool = True, overwrite: bool = False) -> Path:
+    """A BF16 HF checkpoint of any config (a preset name, a dict or a transformers config) *with* its MTP
+    layers (hub names ``model.layers.{num_hidden_layers + i}.*``, whose ``embed_tokens``/``shared_head.head``
+    equal the main ones, as in DeepSeek's release; KEEP_MTP=False leaves them out), every tensor in DTYPE,
+    norms that are not all ones (so a swapped norm shows), in shards of about SHARD_GB + index. For the
+    converter's tests; written like :func:`write_mini_model` (the same shard writer, atomically)."""
+    if isinstance(config, str):
+        config = presets.hf_config(config, None)
+    cfg = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    cfg["architectures"] = ["DeepseekV3ForCausalLM"]
+    n_layers, mtp = cfg["num_hidden_layers"], (cfg.get("num_nextn_predict_layers") or 0) if keep_mtp else 0
+    specs = tensor_specs(cfg, mtp)
+    same = {f"model.layers.{i}.{k}": main for i in range(n_layers, n_layers + mtp)
+            for k, main in (("embed_tokens.weight", "model.embed_tokens.weight"),
+                            ("shared_head.head.weight", "lm_head.weight"))}
+
+    def value(spec: TensorSpec) -> torch.Tensor:
+        src = same.get(spec.name, spec.name)  # MTP embed/head copies equal the main ones
+        g = torch.Generator().manual_seed(seed * 1_000_003 + int.from_bytes(src.encode()[-8:], "little") % 1_000_000_007)
+        if spec.kind == "norm":
+            return (1.0 + 0.1 * torch.randn(spec.shape, generator=g)).to(dtype)
+        return (0.02 * torch.randn(spec.shape, generator=g)).to(dtype)
+
+    def fill(tmp: Path) -> None:
+        from dsv3_rl.checkpoint.safetensors_io import shard_names, st_dtype
+
+        units = [(s, [(s.name, st_dtype(dtype), s.shape)]) for s in specs]
+        total = sum(math.prod(s.shape) * dtype.itemsize for s in specs)
+        n = min(len(units), max(1, math.ceil(total / max(1, int(shard_gb * (1 << 30))))))
+        _write_shards(tmp, units, lambda w, s: w.write(s.name, value(s)), list(shard_names(n)), index=True)
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2, default=str) + "\n")
+        copy_tokenizer_files(tmp)
+
+    return _build_dir(Path(out_dir), overwrite, fill)
+
+
+def _build_dir(out: Path, overwrite: bool, fill: Callable[[Path], None]) -> Path:
+    """FILL a temporary sibling of OUT, then swap it into OUT's place (OUT is replaced only once complete)."""
     if out.exists() and any(out.iterdir()) and not overwrite:
-        raise FileExistsError(f"{out} exists and is not empty (pass overwrite=True / --overwrite)")
+        raise FileExistsError(f"{out} exists and is not empty (pass overwrite=True / --force)")
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        _write(name, kwargs, tmp, seed, dtype, fmt, shards)
+        fill(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if out.exists():  # replaced only once the new one is complete
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+    replace_dir(tmp, out)
     return out
+
+
+def _write_shards(out: Path, units: list[tuple[TensorSpec, list[tuple[str, str, tuple[int, ...]]]]],
+                  write: Callable[[Any, TensorSpec], None], files: list[str], index: bool = False) -> None:
+    """The synthetic checkpoints' shard writer: UNITS (a tensor and the entries it writes: name, safetensors
+    dtype, shape; an FP8 weight also writes its scale) split into len(FILES) contiguous shards of similar
+    size, each written by a ShardWriter (WRITE(writer, spec) writes one unit), and
+    ``model.safetensors.index.json`` when there is more than one file (or INDEX)."""
+    from dsv3_rl.checkpoint.safetensors_io import ShardWriter, itemsize
+
+    sizes = [sum(math.prod(sh) * itemsize(dt) for _, dt, sh in ents) for _, ents in units]
+    groups = _split([([e[0] for e in ents], b) for (_, ents), b in zip(units, sizes)], len(files))
+    entry_of = {e[0]: e for _, ents in units for e in ents}
+    spec_of = {ents[0][0]: spec for spec, ents in units}
+    weight_map = {}
+    for fname, group in zip(files, groups):
+        with ShardWriter(out / fname, [entry_of[g] for g in group]) as w:
+            for tname in group:  # logical order; the writer places each tensor at its offset
+                if tname in spec_of:  # the first entry of a unit (a scale is written with its weight)
+                    write(w, spec_of[tname])
+            w.close(fsync=False, digest=False)
+        weight_map.update({g: fname for g in group})
+    if len(files) > 1 or index:
+        index_doc = {"metadata": {"total_size": sum(sizes)}, "weight_map": dict(sorted(weight_map.items()))}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index_doc, indent=2) + "\n")
 
 
 def _write(name: str, kwargs: dict[str, Any], tmp: Path, seed: int, dtype: str, fmt: str, shards: int | None) -> None:
     from dsv3_rl.checkpoint import fp8_kernels as K
-    from dsv3_rl.checkpoint.safetensors_io import ShardWriter, itemsize, st_dtype
+    from dsv3_rl.checkpoint.safetensors_io import itemsize, st_dtype
 
     mtp = max(1, kwargs.get("num_nextn_predict_layers", 0)) if fmt == "fp8-release" else 0
     if fmt == "hf":
@@ -240,7 +314,6 @@ def _write(name: str, kwargs: dict[str, Any], tmp: Path, seed: int, dtype: str, 
 
     if name not in presets.CONFIG_ONLY:
         specs = tensor_specs(kwargs, mtp)
-        by_name = {s.name: s for s in specs}
         wdt = st_dtype(DTYPES[dtype])
 
         def entries_of(s: TensorSpec) -> list[tuple[str, str, tuple[int, ...]]]:
@@ -250,37 +323,27 @@ def _write(name: str, kwargs: dict[str, Any], tmp: Path, seed: int, dtype: str, 
                 return [(s.name, "F8_E4M3", s.shape), (s.name + "_scale_inv", "F32", K.scale_shape(s.shape))]
             return [(s.name, wdt, s.shape)]
 
-        units = [(entries_of(s), sum(math.prod(sh) * itemsize(dt) for _, dt, sh in entries_of(s))) for s in specs]
-        total = sum(b for _, b in units)
+        units = [(s, entries_of(s)) for s in specs]
+        total = sum(math.prod(sh) * itemsize(dt) for _, ents in units for _, dt, sh in ents)
         n = shards or max(4 if fmt == "fp8-release" else 1, math.ceil(total / SHARD_TARGET_BYTES))
-        groups = _split([([e[0] for e in ents], b) for ents, b in units], n)
-        entry_of = {e[0]: e for ents, _ in units for e in ents}
         if fmt == "hf" and n == 1:
             files = ["model.safetensors"]
         else:
             width = 6 if fmt == "fp8-release" else 5  # DeepSeek: model-00001-of-000163.safetensors
             files = [f"model-{i + 1:05d}-of-{n:0{width}d}.safetensors" for i in range(n)]
-        weight_map = {}
-        for fname, group in zip(files, groups):
-            with ShardWriter(tmp / fname, [entry_of[g] for g in group]) as w:
-                for tname in group:  # logical order; the writer places each tensor at its offset
-                    if tname.endswith("_scale_inv"):
-                        continue  # written with its weight
-                    spec = by_name[tname]
-                    x = init_tensor(spec, seed)
-                    if spec.kind == "bias":
-                        w.write(tname, x)
-                    elif fmt == "fp8-release" and spec.kind == "linear":
-                        q, s = K.quantize(x, "amax")
-                        w.write(tname, q)
-                        w.write(tname + "_scale_inv", s)
-                    else:
-                        w.write(tname, x.to(DTYPES[dtype]))
-                w.close(fsync=False, digest=False)
-            weight_map.update({g: fname for g in group})
-        if len(files) > 1:
-            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+        def write(w, spec: TensorSpec) -> None:
+            x = init_tensor(spec, seed)
+            if spec.kind == "bias":
+                w.write(spec.name, x)
+            elif fmt == "fp8-release" and spec.kind == "linear":
+                q, s = K.quantize(x, "amax")
+                w.write(spec.name, q)
+                w.write(spec.name + "_scale_inv", s)
+            else:
+                w.write(spec.name, x.to(DTYPES[dtype]))
+
+        _write_shards(tmp, units, write, files)
 
 
 def _parse_set(items: list[str]) -> dict[str, Any]:
@@ -298,17 +361,19 @@ def _parse_set(items: list[str]) -> dict[str, Any]:
 
 @cli_main
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dsv3_rl.models.mini_model",
+    p = argparse.ArgumentParser(prog="dsv3-mini-model",
                                 description="Write a DeepSeek-V3-architecture HF checkpoint from a preset.")
-    p.add_argument("preset", nargs="?", help=f"one of {', '.join(presets.list_presets())} (alias 671b)")
-    p.add_argument("out_dir", nargs="?")
+    p.add_argument("preset", nargs="?", help="same as --model")
+    p.add_argument("out_dir", nargs="?", help="same as --out")
+    p.add_argument("--model", help=f"model preset: one of {', '.join(presets.list_presets())} (alias 671b)")
+    add_out(p, metavar="DIR", help="HF checkpoint directory to write")
     p.add_argument("--format", dest="fmt", default="hf", choices=FORMATS)
     p.add_argument("--dtype", default="bf16", choices=list(DTYPES))
     p.add_argument("--shards", type=int, help="number of safetensors shards (default: by size; fp8-release >= 4)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a preset key (JSON value), e.g. --set num_hidden_layers=2")
-    p.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it is not empty")
+    add_force(p, "--overwrite", help="replace OUT_DIR if it is not empty")
     p.add_argument("--list", action="store_true", help="list the presets and exit")
     args = p.parse_args(argv)
     if args.list:
@@ -318,17 +383,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name:12s} layers={k['num_hidden_layers']} hidden={k['hidden_size']} "
                   f"experts={k['n_routed_experts']} vocab={k['vocab_size']}{extra}")
         return 0
-    if not args.preset or not args.out_dir:
-        p.error("PRESET and OUT_DIR are required (or --list)")
-    try:
-        out = write_mini_model(args.preset, args.out_dir, seed=args.seed, dtype=args.dtype, fmt=args.fmt,
-                               shards=args.shards, overrides=_parse_set(args.set), overwrite=args.overwrite)
-    except (KeyError, ValueError, FileExistsError) as e:
-        print(f"error: {e.args[0] if isinstance(e, KeyError) else e}", file=sys.stderr)
-        return 2
+    preset = one_path("PRESET", args.preset, "--model", args.model) if (args.preset or args.model) else None
+    out_dir = one_path("OUT_DIR", args.out_dir, "--out", args.out) if (args.out_dir or args.out) else None
+    if not preset or not out_dir:
+        raise UsageError("--model PRESET and --out OUT_DIR are required (or --list)")
+    with usage_errors(KeyError, ValueError, FileExistsError):
+        out = write_mini_model(preset, out_dir, seed=args.seed, dtype=args.dtype, fmt=args.fmt,
+                               shards=args.shards, overrides=_parse_set(args.set), overwrite=args.force)
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
     kind = "FP8 e4m3 blocks + fp32 scale_inv, rest bf16" if args.fmt == "fp8-release" else args.dtype
-    print(f"wrote {presets.resolve(args.preset)} ({args.fmt}: {kind}) to {out}: {size / 1e6:.1f} MB")
+    print(f"wrote {presets.resolve(preset)} ({args.fmt}: {kind}) to {out}: {size / 1e6:.1f} MB")
     return 0
 
 

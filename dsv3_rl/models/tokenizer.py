@@ -13,7 +13,8 @@ instead.
 
 CLI::
 
-    python -m dsv3_rl.models.tokenizer OUT_DIR [--data-dir DIR] [--vocab-size 2048]
+    dsv3-tokenizer --out OUT_DIR [--data-dir DIR] [--vocab-size 2048]   # or python -m dsv3_rl.models.tokenizer;
+                                                                        # OUT_DIR may also come positionally
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from dsv3_rl.cliargs import add_out, one_path, usage_errors
 from dsv3_rl.errors import cli_main
+from dsv3_rl.fs import sha256_file, write_text_atomic
 
 BOS = "<｜begin▁of▁sentence｜>"
 EOS = "<｜end▁of▁sentence｜>"
@@ -212,12 +215,6 @@ def _tokenizer_config() -> dict:
     }
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
 def build_tokenizer(out_dir: str | os.PathLike, texts: Iterable[str] | None = None, vocab_size: int = VOCAB_SIZE,
                     corpus_note: str = "embedded corpus") -> Path:
     """Train and write tokenizer.json, tokenizer_config.json, special_tokens_map.json, build_info.json."""
@@ -233,21 +230,21 @@ def build_tokenizer(out_dir: str | os.PathLike, texts: Iterable[str] | None = No
                                               ensure_ascii=False, indent=2) + "\n",
     }
     for name, text in files.items():
-        _atomic_write(out / name, text)
+        write_text_atomic(out / name, text)
     info = {
         "vocab_size": vocab_size,
         "corpus": corpus_note,
         "tokenizers_version": tokenizers.__version__,
         "sha256": {name: hashlib.sha256(text.encode()).hexdigest() for name, text in files.items()},
     }
-    _atomic_write(out / "build_info.json", json.dumps(info, indent=2) + "\n")
+    write_text_atomic(out / "build_info.json", json.dumps(info, indent=2) + "\n")
     return out
 
 
 def build_from_data_dir(out_dir: str | os.PathLike, data_dir: str | os.PathLike, vocab_size: int = VOCAB_SIZE) -> Path:
     files = parquet_files(Path(data_dir))
     note = "train splits: " + ", ".join(
-        f"{p.relative_to(data_dir)} (sha256 {hashlib.sha256(p.read_bytes()).hexdigest()[:16]})" for p in files
+        f"{p.relative_to(data_dir)} (sha256 {sha256_file(p)[:16]})" for p in files
     )
     return build_tokenizer(out_dir, corpus_from_parquet(files), vocab_size, corpus_note=note)
 
@@ -272,26 +269,25 @@ def copy_tokenizer_files(dst: str | os.PathLike) -> list[str]:
     src = tokenizer_dir()
     dst = Path(dst)
     for name in FILES:
-        _atomic_write(dst / name, (src / name).read_text(encoding="utf-8"))
+        write_text_atomic(dst / name, (src / name).read_text(encoding="utf-8"))
     return list(FILES)
 
 
 @cli_main
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dsv3_rl.models.tokenizer", description=__doc__.split("\n\n")[0])
-    p.add_argument("out_dir", help="where to write tokenizer.json, tokenizer_config.json, ...")
+    p = argparse.ArgumentParser(prog="dsv3-tokenizer", description=__doc__.split("\n\n")[0])
+    p.add_argument("out_dir", nargs="?", help="same as --out")
+    add_out(p, metavar="DIR", help="where to write tokenizer.json, tokenizer_config.json, ...")
     p.add_argument("--data-dir", help="train on train-*.parquet under this dir (MATH/GSM8K columns); "
                                       "default: the embedded corpus")
     p.add_argument("--vocab-size", type=int, default=VOCAB_SIZE)
     args = p.parse_args(argv)
+    out_dir = one_path("OUT_DIR", args.out_dir, "--out", args.out)
     if args.data_dir:
-        try:
-            out = build_from_data_dir(args.out_dir, args.data_dir, args.vocab_size)
-        except (FileNotFoundError, ValueError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+        with usage_errors(ValueError):
+            out = build_from_data_dir(out_dir, args.data_dir, args.vocab_size)
     else:
-        out = build_tokenizer(args.out_dir, vocab_size=args.vocab_size)
+        out = build_tokenizer(out_dir, vocab_size=args.vocab_size)
     print(f"wrote tokenizer ({args.vocab_size} tokens) to {out}")
     return 0
 

@@ -1,6 +1,6 @@
 """Warm start of the tiny DeepSeek-V3 for the learning demo: a short supervised run with transformers' Trainer.
 
-    python -m dsv3_rl.models.warm_start --data examples/deepseek_v3/data/identity-arith \\
+    dsv3-warm-start --data examples/deepseek_v3/data/identity-arith \\
         --out examples/deepseek_v3/models/dsv3-tiny-warm
 
 Two phases on the synthetic task (:mod:`dsv3_rl.data.synthetic`), both ``transformers.Trainer`` runs on
@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 from dsv3_rl.errors import cli_main
+from dsv3_rl.fs import replace_dir
 
 PHASE1 = {"steps": 300, "lr": 1e-3}
 PHASE2 = {"max_steps": 150, "lr": 5e-5}
@@ -173,16 +174,14 @@ def warm_start(data_dir: Path, out: Path, target: float = 0.2, seed: int = 0) ->
                         "trace": stop.trace, "p_right_bf16": final},
             "torch": torch.__version__, "seconds": round(time.time() - t0, 1)}
     (base / "warm_start.json").write_text(json.dumps(info, indent=2) + "\n")
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(base, out)
+    replace_dir(base, out)
     shutil.rmtree(tmp, ignore_errors=True)
     return info
 
 
 @cli_main
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dsv3_rl.models.warm_start", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="dsv3-warm-start", description=__doc__.split("\n\n")[0])
     ap.add_argument("--data", required=True, type=Path, help="synthetic task in MATH layout (dsv3_rl.data.synthetic)")
     ap.add_argument("--out", required=True, type=Path, help="HF checkpoint directory to write")
     ap.add_argument("--target", type=float, default=0.2, help="stop misleading below this p(right) (default 0.2)")

@@ -50,6 +50,9 @@ import sys
 import time
 import weakref
 from pathlib import Path
+from dsv3_rl.cliargs import UsageError
+from dsv3_rl.errors import cli_main
+from dsv3_rl.fs import write_text_atomic
 
 # --- configs ---------------------------------------------------------------------------------
 
@@ -474,13 +477,6 @@ def _add_prediction(row: dict) -> None:
         row["planner_error"] = f"prediction failed: {e}"
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def _measure(cfgs, steps: int, on_cuda: bool) -> list:
     """One row per config (an OOM is recorded as a row), printed as it completes."""
     import torch
@@ -537,8 +533,10 @@ def _measure_isolated(cfgs, args, device: str = "cuda") -> list:
     return rows
 
 
+@cli_main
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="dsv3-measure-memory", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--set", choices=sorted(SETS), default=None, help="config set (default: gpu on CUDA, cpu-smoke on CPU)")
     ap.add_argument("--only", default=None, help="comma-separated config names from the set")
     ap.add_argument("--steps", type=int, default=2, help="optimizer steps; the last one is reported (default 2)")
@@ -580,28 +578,25 @@ def main(argv=None) -> int:
             rows.append(row)
             print(json.dumps(row))
         if args.out:
-            _atomic_write(args.out, "".join(json.dumps(r) + "\n" for r in rows))
+            write_text_atomic(args.out, "".join(json.dumps(r) + "\n" for r in rows))
         print(f"summary: {len(rows)} predictions, measured: null")
         return 0
     import torch
 
     on_cuda = torch.cuda.is_available() if args.device == "auto" else args.device == "cuda"
     if on_cuda and not torch.cuda.is_available():
-        print("error: --device cuda but torch.cuda.is_available() is False", file=sys.stderr)
-        return 2
+        raise UsageError("--device cuda but torch.cuda.is_available() is False")
     cfgs = SETS[args.set or ("gpu" if on_cuda else "cpu-smoke")]
     if args.only:
         want = args.only.split(",")
         unknown = sorted(set(want) - {c["name"] for c in cfgs})
         if unknown:
-            print(f"error: --only {unknown} not in set; known: {[c['name'] for c in cfgs]}", file=sys.stderr)
-            return 2
+            raise UsageError(f"--only {unknown} not in set; known: {[c['name'] for c in cfgs]}")
         cfgs = [c for c in cfgs if c["name"] in want]
     if args.attention:
         cfgs = [dict(c, attention_backend=args.attention) for c in cfgs]
     if args.steps < 1:
-        print("error: --steps must be >= 1", file=sys.stderr)
-        return 2
+        raise UsageError("--steps must be >= 1")
 
     t0 = time.time()
     if (on_cuda or args.isolate) and len(cfgs) > 1 and not args.in_process:
@@ -613,7 +608,7 @@ def main(argv=None) -> int:
         finally:
             undo()
     if args.out:
-        _atomic_write(args.out, "".join(json.dumps(r) + "\n" for r in rows))
+        write_text_atomic(args.out, "".join(json.dumps(r) + "\n" for r in rows))
     gib = 2**30
     where = rows[0]["device"] if rows else "-"
     if rows and rows[0]["gpu"]:

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from dsv3_rl.planner.spec import GIB
+from dsv3_rl.fs import atomic_path
 
 _TRAIN = (("weights", "#4c72b0"), ("grads", "#55a868"), ("optimizer", "#c44e52"), ("activations", "#8172b2"),
           ("logits", "#ccb974"), ("transient", "#64b5cd"), ("comm_buffers", "#8c8c8c"), ("ref_weights", "#937860"),
@@ -103,9 +103,7 @@ def plot_plan(res, path, top: int = 5) -> Path:
                  f"({res.options.placement}); {title_kind}", fontsize=11)
     fig.tight_layout()
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.stem}.tmp.{os.getpid()}{path.suffix}")
-    fig.savefig(tmp, dpi=110)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=110, format=path.suffix.lstrip(".") or None)
     plt.close(fig)
-    os.replace(tmp, path)
     return path

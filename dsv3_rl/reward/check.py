@@ -28,6 +28,7 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
 from dsv3_rl.reward.answer import _INT, _match_braced, gsm8k_hash_answer, last_boxed_answer, normalize_answer
+from dsv3_rl.cliargs import UsageError
 from dsv3_rl.errors import cli_main
 
 
@@ -236,15 +237,14 @@ def main(argv: list[str] | None = None) -> int:
         rows = rows[: args.limit]
     cases = build_cases(rows, seed=args.seed)
     if not cases:
-        print(f"error: {args.input}: none of {len(rows)} rows has a reference answer to check "
-              f"(MATH: a \\boxed{{}} in the solution; GSM8K: a '#### N' line)", file=sys.stderr)
-        return 2
+        raise UsageError(f"{args.input}: none of {len(rows)} rows has a reference answer to check "
+                         f"(MATH: a \\boxed{{}} in the solution; GSM8K: a '#### N' line)")
     rep = run_cases(cases, lambda s, g, kind: score_answer(s, g, kind, timeout=args.timeout))
     for m in rep.misses:
         print(f"MISS {m['row']} {m['kind']}: gold={m['gold']!r} pred={m['pred']!r} score={m['score']} how={m['how']}")
     print(rep.summary())
     if args.json:
-        from dsv3_rl.data.common import write_text_atomic
+        from dsv3_rl.fs import write_text_atomic
 
         write_text_atomic(Path(args.json), json.dumps(asdict(rep), indent=1))
     if args.strict and (rep.rate("reference") < 1.0 or rep.rate("shifted") < 1.0):

@@ -23,6 +23,13 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 
 def main(argv: list[str] | None = None) -> int:
+    from dsv3_rl.errors import run_main
+
+    return run_main(_main, argv)  # bad input: one `error: ...` line, exit 2
+
+
+def _main(argv: list[str]) -> int:
+    from dsv3_rl.cliargs import usage_errors
     from dsv3_rl.correctness.cli import quiet
 
     quiet()
@@ -46,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     ap.add_argument("--with-single-process", action="store_true", help="also run the TP1 layout")
     ap.add_argument("--plant-fault", choices=list(faults.FAULTS))
-    ap.add_argument("--preset", default="tiny", help="random model preset when no --hf-model-path")
+    ap.add_argument("--model", dest="preset", default="tiny", help="model preset of the random model when no --hf-model-path")
     ap.add_argument("--weights", help="already converted megatron dist checkpoint")
     ap.add_argument("--calibrate", action="store_true", help="also report transformers-bf16 vs fp32")
     ap.add_argument("--json", dest="json_out")
@@ -62,11 +69,8 @@ def main(argv: list[str] | None = None) -> int:
                 work=a.work, keep_work=a.keep_work, debug=a.debug, json_out=a.json_out, weights=a.weights,
                 preset=a.preset, calibrate=a.calibrate)
     print(f"Validating the MLA/MoE implementation: megatron-core at {lay.describe()} vs HuggingFace ...", flush=True)
-    try:
+    with usage_errors(ValueError):
         return run_suite(o, out=lambda s: print(s, flush=True))
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
 
 
 if __name__ == "__main__":

@@ -52,14 +52,14 @@ def _why(r: subprocess.CompletedProcess) -> str:
 
 
 def test_fp32_tiny_one_gpu(tmp_path):
-    r, doc = _run(["run", "--layouts", "tp1"], tmp_path, "fp32_tiny_1gpu")
+    r, doc = _run(["run", "--layout", "tp1"], tmp_path, "fp32_tiny_1gpu")
     assert r.returncode == 0 and doc["overall"] == "PASS", _why(r)
     assert "NCCL" in doc["meta"]["backend"]
 
 
 @pytest.mark.skipif(NGPU < 2, reason="needs 2 GPUs")
 def test_fp32_tiny_two_gpus(tmp_path):
-    r, doc = _run(["run", "--layouts", TWO_GPU_LAYOUTS], tmp_path, "fp32_tiny_2gpu")
+    r, doc = _run(["run", "--layout", TWO_GPU_LAYOUTS], tmp_path, "fp32_tiny_2gpu")
     results = {lay["layout"]: lay["result"] for lay in doc.get("layouts", [])}
     # known upstream FAILs, pinned as on CPU (docs/correctness.md): megatron-core's batched p2p at
     # PP=2 + VPP (the twin of pp2_vpp2 on config_map's batch_p2p_comm=False), MoE + TP without SP
@@ -79,16 +79,16 @@ def test_planted_faults_fail_on_gpu(tmp_path):
         assert lay["result"] == ("PASS" if lay["layout"].startswith("clean@") else "FAIL"), (lay["layout"], _why(r))
 
 
-PROXY = ["--preset", "proxy", "--set", "num_hidden_layers=2", "--dtype", "bf16", "--batch-size", "2",
+PROXY = ["--model", "proxy", "--set", "num_hidden_layers=2", "--dtype", "bf16", "--batch-size", "2",
          "--seq-length", "256", "--calibrate"]
 
 
 def test_bf16_proxy_one_gpu(tmp_path):
-    r, doc = _run(["run", "--layouts", "tp1", *PROXY], tmp_path, "bf16_proxy_1gpu", timeout=1200)
+    r, doc = _run(["run", "--layout", "tp1", *PROXY], tmp_path, "bf16_proxy_1gpu", timeout=1200)
     assert r.returncode == 0 and doc["overall"] == "PASS", _why(r)
 
 
 @pytest.mark.skipif(NGPU < 2, reason="needs 2 GPUs")
 def test_bf16_proxy_two_gpus(tmp_path):
-    r, doc = _run(["run", "--layouts", "tp2_sp,ep2", *PROXY], tmp_path, "bf16_proxy_2gpu", timeout=1200)
+    r, doc = _run(["run", "--layout", "tp2_sp,ep2", *PROXY], tmp_path, "bf16_proxy_2gpu", timeout=1200)
     assert r.returncode == 0 and doc["overall"] == "PASS", _why(r)

@@ -446,7 +446,7 @@ SCENARIOS = {f.__name__: f for f in (hf_vs_mcore, paths_equal, ckpt_roundtrip, a
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("name", choices=list(SCENARIOS))
-    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--model", dest="preset", default="tiny", help="model preset")
     ap.add_argument("--overrides", default="{}", help="JSON dict of HF config overrides")
     ap.add_argument("--dtype", default="fp32", choices=list(DTYPES))
     ap.add_argument("--device", default="cpu")

@@ -371,9 +371,9 @@ def test_cast_overwrite_removes_the_previous_casts_shards(fp8_src, tmp_path, cap
     (out / "notes.txt").write_text("the user's")
     old = {p.name for p in out.glob("*.safetensors")}
     assert old and old.isdisjoint(p.name for p in fresh.glob("*.safetensors"))
-    assert fp8.main([str(fp8_src), str(out), "--no-progress"]) == 2  # another input: refused without --overwrite
-    one_line(capsys.readouterr().err, "--overwrite")
-    assert fp8.main([str(fp8_src), str(out), "--no-progress", "--overwrite"]) == 0
+    assert fp8.main([str(fp8_src), str(out), "--no-progress"]) == 2  # another input: refused without --force
+    one_line(capsys.readouterr().err, "--force")
+    assert fp8.main([str(fp8_src), str(out), "--no-progress", "--force"]) == 0
     now = {p.name for p in out.glob("*.safetensors")}
     assert now == {p.name for p in fresh.glob("*.safetensors")}  # no shard of the old model left beside them
     mine = {k: v for k, v in snapshot(out).items() if k != fp8.MANIFEST}  # the manifest's order varies by thread
@@ -738,7 +738,7 @@ def test_hf_to_mcore_missing_config(tmp_path, capsys):
 def _prep(out: Path, *extra) -> int:
     from dsv3_rl.data import math_lighteval
 
-    return math_lighteval.main(["--input_dir", str(MATH_MINI), "--local_dir", str(out), *map(str, extra)])
+    return math_lighteval.main(["--input-dir", str(MATH_MINI), "--out", str(out), *map(str, extra)])
 
 
 @pytest.fixture
@@ -761,7 +761,7 @@ def test_data_disk_full_on_the_second_split_leaves_the_old_run(prepared, tmp_pat
 
     monkeypatch.setattr(pq, "write_table", full)
     capsys.readouterr()
-    assert _prep(prepared, "--train_size", "5") == 2
+    assert _prep(prepared, "--train-size", "5") == 2
     one_line(capsys.readouterr().err, "disk full")
     assert snapshot(prepared) == before  # no new train beside the old test and summary
     assert not leftovers(tmp_path, "data")
@@ -775,20 +775,20 @@ def test_data_interrupt_leaves_the_old_run(prepared, tmp_path, capsys, monkeypat
 
     monkeypatch.setattr(pq, "write_table", stop)
     capsys.readouterr()
-    assert _prep(prepared, "--train_size", "5") == 130
+    assert _prep(prepared, "--train-size", "5") == 130
     one_line(capsys.readouterr().err, "previous outputs", kind="interrupted")
     assert snapshot(prepared) == before and not leftovers(tmp_path, "data")
 
 
 def test_data_summary_matches_the_files_after_a_rerun(prepared):
-    assert _prep(prepared, "--train_size", "5", "--test_size", "3") == 0
+    assert _prep(prepared, "--train-size", "5", "--test-size", "3") == 0
     summary = json.loads((prepared / "prep_summary.json").read_text())
     assert summary["splits"]["train"]["written"] == pq.read_metadata(prepared / "train.parquet").num_rows == 5
     assert summary["splits"]["test"]["written"] == pq.read_metadata(prepared / "test.parquet").num_rows == 3
 
 
 def test_data_one_split_run_does_not_keep_the_other_runs_split(prepared):
-    assert _prep(prepared, "--splits", "train", "--train_size", "4") == 0
+    assert _prep(prepared, "--splits", "train", "--train-size", "4") == 0
     assert sorted(p.name for p in prepared.iterdir()) == ["prep_summary.json", "train.parquet"]
 
 
@@ -796,7 +796,7 @@ def test_data_user_files_in_the_output_dir_are_untouched(prepared):
     (prepared / "README.md").write_text("mine")
     (prepared / "sub").mkdir()
     (prepared / "sub" / "x").write_text("mine too")
-    assert _prep(prepared, "--train_size", "4") == 0
+    assert _prep(prepared, "--train-size", "4") == 0
     assert (prepared / "README.md").read_text() == "mine" and (prepared / "sub" / "x").read_text() == "mine too"
     assert pq.read_metadata(prepared / "train.parquet").num_rows == 4
 
@@ -805,7 +805,7 @@ def test_data_read_only_output(prepared, tmp_path, capsys, monkeypatch):
     before = snapshot(prepared)
     read_only(monkeypatch, tmp_path)
     capsys.readouterr()
-    rc = _prep(prepared, "--train_size", "5")
+    rc = _prep(prepared, "--train-size", "5")
     err = capsys.readouterr().err
     monkeypatch.undo()
     assert rc == 2
@@ -818,14 +818,14 @@ def test_data_local_dir_is_a_file(tmp_path, capsys):
     f.write_text("x")
     capsys.readouterr()
     assert _prep(f) == 2
-    one_line(capsys.readouterr().err, "--local_dir", str(f))
+    one_line(capsys.readouterr().err, "--out", str(f))
     assert f.read_text() == "x"
 
 
 def test_data_negative_size(tmp_path, capsys):
     capsys.readouterr()
-    assert _prep(tmp_path / "o", "--train_size", "-5") == 2
-    one_line(capsys.readouterr().err, "--train_size", "-5")
+    assert _prep(tmp_path / "o", "--train-size", "-5") == 2
+    one_line(capsys.readouterr().err, "--train-size", "-5")
     assert not (tmp_path / "o").exists()
 
 
@@ -982,11 +982,11 @@ def test_force_stage_reaches_the_tool(tmp_path, capsys):
     from dsv3_rl.launch.stages import Stage
 
     st = Stage("fp8_cast", needed=True, why="", argv=["python", "-m", "dsv3_rl.checkpoint.fp8", "cast", "a", "b"],
-               out_dir=None, outputs=[], inputs=[], force_flag="--overwrite", verify=lambda: (True, "ok"))
+               out_dir=None, outputs=[], inputs=[], force_flag="--force", verify=lambda: (True, "ok"))
     launch = types.SimpleNamespace(stages=[st])
     assert st.status()[0] == "done" and st.run_argv == st.argv
     _force_stages(launch, ["fp8_cast"])
-    assert st.status() == ("run", "forced (--force-stage)") and st.run_argv == st.argv + ["--overwrite"]
+    assert st.status() == ("run", "forced (--force-stage)") and st.run_argv == st.argv + ["--force"]
     assert st.signature()["command"] == st.argv  # the marker does not record the force flag
     with pytest.raises(PresetError, match="--force-stage 'nope'.*fp8_cast"):
         _force_stages(launch, ["nope"])

@@ -2,12 +2,11 @@
 
 Fixtures: tests/assets/{math_lighteval_mini,gsm8k_mini} (rows copied from the full samples);
 the in-repo demo sample examples/deepseek_v3/data/MATH-lighteval-sample; the full samples
-themselves (not in the repo) when DSV3_SHARED_DATA names a directory holding them (skipped otherwise).
+themselves (not in the repo; the ``shared_data`` fixture of tests/conftest.py finds them, or the test fails).
 """
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
@@ -27,7 +26,6 @@ ASSETS = REPO / "tests" / "assets"
 MATH_MINI = ASSETS / "math_lighteval_mini"
 GSM8K_MINI = ASSETS / "gsm8k_mini"
 DEMO_MATH = REPO / "examples" / "deepseek_v3" / "data" / "MATH-lighteval-sample"
-SHARED = Path(os.environ.get("DSV3_SHARED_DATA", REPO.parent / "shared" / "data"))
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
@@ -135,7 +133,7 @@ def _check_math_ground_truths(rows: list[dict]) -> list[str]:
 
 def test_math_fixture_converts_to_verl_schema(tmp_path):
     out = tmp_path / "out"
-    assert _prep(math_lighteval, "--input_dir", MATH_MINI, "--local_dir", out) == 0
+    assert _prep(math_lighteval, "--input-dir", MATH_MINI, "--out", out) == 0
     assert validate_rl_parquet(out / "train.parquet", math_lighteval.DATA_SOURCE) == 30
     assert validate_rl_parquet(out / "test.parquet", math_lighteval.DATA_SOURCE) == 12
     rows = _rows(out / "train.parquet")
@@ -166,7 +164,7 @@ def test_math_fixture_converts_to_verl_schema(tmp_path):
 def test_ground_truth_check_catches_naive_extractor(tmp_path):
     """Planted fault: a first-``}`` regex extractor (no nesting, first box) must fail the check."""
     out = tmp_path / "out"
-    assert _prep(math_lighteval, "--input_dir", MATH_MINI, "--local_dir", out, "--splits", "train") == 0
+    assert _prep(math_lighteval, "--input-dir", MATH_MINI, "--out", out, "--splits", "train") == 0
     rows = _rows(out / "train.parquet")
     src = pq.read_table(MATH_MINI / "data" / "train-00000-of-00001.parquet").to_pylist()
     for r, s in zip(rows, src, strict=True):
@@ -178,7 +176,7 @@ def test_ground_truth_check_catches_naive_extractor(tmp_path):
 
 def test_gsm8k_fixture_converts(tmp_path):
     out = tmp_path / "out"
-    assert _prep(gsm8k, "--input_dir", GSM8K_MINI, "--local_dir", out) == 0
+    assert _prep(gsm8k, "--input-dir", GSM8K_MINI, "--out", out) == 0
     assert validate_rl_parquet(out / "train.parquet", "openai/gsm8k") == 20
     assert validate_rl_parquet(out / "test.parquet", "openai/gsm8k") == 10
     rows = _rows(out / "train.parquet")
@@ -194,16 +192,14 @@ def test_gsm8k_fixture_converts(tmp_path):
 
 def test_demo_sample_in_repo_converts(tmp_path):
     out = tmp_path / "out"
-    assert _prep(math_lighteval, "--input_dir", DEMO_MATH, "--local_dir", out) == 0
+    assert _prep(math_lighteval, "--input-dir", DEMO_MATH, "--out", out) == 0
     assert validate_rl_parquet(out / "train.parquet") == 200
     assert validate_rl_parquet(out / "test.parquet") == 50
 
 
-@pytest.mark.skipif(not SHARED.is_dir(), reason="needs the full MATH-lighteval/GSM8K samples (not in the repo): "
-                    "set DSV3_SHARED_DATA to a directory holding MATH-lighteval-sample/ and gsm8k-sample/")
-def test_full_shared_samples_convert(tmp_path):
-    assert _prep(math_lighteval, "--input_dir", SHARED / "MATH-lighteval-sample", "--local_dir", tmp_path / "m") == 0
-    assert _prep(gsm8k, "--input_dir", SHARED / "gsm8k-sample", "--local_dir", tmp_path / "g") == 0
+def test_full_shared_samples_convert(tmp_path, shared_data):
+    assert _prep(math_lighteval, "--input-dir", shared_data / "MATH-lighteval-sample", "--out", tmp_path / "m") == 0
+    assert _prep(gsm8k, "--input-dir", shared_data / "gsm8k-sample", "--out", tmp_path / "g") == 0
     assert validate_rl_parquet(tmp_path / "m" / "train.parquet") == 300
     assert validate_rl_parquet(tmp_path / "m" / "test.parquet") == 100
     assert validate_rl_parquet(tmp_path / "g" / "train.parquet") == 800
@@ -220,8 +216,8 @@ def test_verl_rlhf_dataset_reads_math_and_gsm8k_together(tmp_path, tiny_tokenize
     from verl.utils.dataset.rl_dataset import collate_fn
 
     m, g = tmp_path / "m", tmp_path / "g"
-    assert _prep(math_lighteval, "--input_dir", MATH_MINI, "--local_dir", m) == 0
-    assert _prep(gsm8k, "--input_dir", GSM8K_MINI, "--local_dir", g) == 0
+    assert _prep(math_lighteval, "--input-dir", MATH_MINI, "--out", m) == 0
+    assert _prep(gsm8k, "--input-dir", GSM8K_MINI, "--out", g) == 0
     ds = _verl_dataset([m / "train.parquet", g / "train.parquet"], tiny_tokenizer, tmp_path)
     assert len(ds) == 50
     item = ds[0]
@@ -239,7 +235,7 @@ def test_verl_rlhf_dataset_reads_math_and_gsm8k_together(tmp_path, tiny_tokenize
 
 def test_length_filter_matches_verl_count(tmp_path, tiny_tokenizer):
     full, cut = tmp_path / "full", tmp_path / "cut"
-    assert _prep(math_lighteval, "--input_dir", MATH_MINI, "--local_dir", full, "--tokenizer", tiny_tokenizer) == 0
+    assert _prep(math_lighteval, "--input-dir", MATH_MINI, "--out", full, "--tokenizer", tiny_tokenizer) == 0
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(tiny_tokenizer))
@@ -248,13 +244,13 @@ def test_length_filter_matches_verl_count(tmp_path, tiny_tokenizer):
     assert (
         _prep(
             math_lighteval,
-            "--input_dir",
+            "--input-dir",
             MATH_MINI,
-            "--local_dir",
+            "--out",
             cut,
             "--tokenizer",
             tiny_tokenizer,
-            "--max_prompt_length",
+            "--max-prompt-length",
             limit,
         )
         == 0
@@ -275,7 +271,7 @@ def test_length_filter_matches_verl_count(tmp_path, tiny_tokenizer):
 def test_length_filter_check_bites_with_wrong_count(tmp_path, tiny_tokenizer, monkeypatch):
     """Planted fault: counting the raw user text (no chat template) must disagree with verl."""
     full, cut = tmp_path / "full", tmp_path / "cut"
-    assert _prep(math_lighteval, "--input_dir", MATH_MINI, "--local_dir", full, "--splits", "train") == 0
+    assert _prep(math_lighteval, "--input-dir", MATH_MINI, "--out", full, "--splits", "train") == 0
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(tiny_tokenizer))
@@ -287,15 +283,15 @@ def test_length_filter_check_bites_with_wrong_count(tmp_path, tiny_tokenizer, mo
     assert (
         _prep(
             math_lighteval,
-            "--input_dir",
+            "--input-dir",
             MATH_MINI,
-            "--local_dir",
+            "--out",
             cut,
             "--splits",
             "train",
             "--tokenizer",
             tiny_tokenizer,
-            "--max_prompt_length",
+            "--max-prompt-length",
             limit,
         )
         == 0
@@ -309,13 +305,13 @@ def test_apply_chat_template_column(tmp_path, tiny_tokenizer):
     assert (
         _prep(
             math_lighteval,
-            "--input_dir",
+            "--input-dir",
             MATH_MINI,
-            "--local_dir",
+            "--out",
             out,
             "--tokenizer",
             tiny_tokenizer,
-            "--apply_chat_template",
+            "--apply-chat-template",
         )
         == 0
     )
@@ -330,11 +326,11 @@ def test_system_prompt_and_instruction_options(tmp_path):
     assert (
         _prep(
             gsm8k,
-            "--input_dir",
+            "--input-dir",
             GSM8K_MINI,
-            "--local_dir",
+            "--out",
             out,
-            "--system_prompt",
+            "--system-prompt",
             "You are careful.",
             "--instruction",
             "Put the answer in \\boxed{}.",
@@ -348,7 +344,7 @@ def test_system_prompt_and_instruction_options(tmp_path):
 
 def test_instruction_without_boxed_warns(tmp_path, capsys):
     out = tmp_path / "out"
-    assert _prep(gsm8k, "--input_dir", GSM8K_MINI, "--local_dir", out, "--instruction", "End with #### N.") == 0
+    assert _prep(gsm8k, "--input-dir", GSM8K_MINI, "--out", out, "--instruction", "End with #### N.") == 0
     assert "does not ask for \\boxed{}" in capsys.readouterr().err
     assert _rows(out / "test.parquet")[0]["prompt"][0]["content"].endswith(" End with #### N.")
     with pytest.raises(DataPrepError, match="boxed"):  # the default check still wants \boxed{}
@@ -362,13 +358,13 @@ def test_sampling_is_seeded_and_traceable(tmp_path):
         assert (
             _prep(
                 gsm8k,
-                "--input_dir",
+                "--input-dir",
                 GSM8K_MINI,
-                "--local_dir",
+                "--out",
                 out,
-                "--train_size",
+                "--train-size",
                 7,
-                "--test_size",
+                "--test-size",
                 3,
                 "--seed",
                 seed,
@@ -399,7 +395,7 @@ def test_missing_column_names_file_and_column(tmp_path, capsys):
     d = tmp_path / "ds"
     _write_raw(d / "data" / "train-00000-of-00001.parquet", {"problem": ["p"], "level": ["L"], "type": ["t"]})
     _write_raw(d / "data" / "test-00000-of-00001.parquet", {"problem": ["p"], "level": ["L"], "type": ["t"]})
-    assert _prep(math_lighteval, "--input_dir", d, "--local_dir", tmp_path / "o") == 2
+    assert _prep(math_lighteval, "--input-dir", d, "--out", tmp_path / "o") == 2
     err = capsys.readouterr().err
     assert "train-00000-of-00001.parquet" in err and "'solution'" in err
 
@@ -408,7 +404,7 @@ def test_empty_split_names_file(tmp_path, capsys):
     d = _copy_math(tmp_path)
     f = d / "data" / "test-00000-of-00001.parquet"
     pq.write_table(pq.read_table(f).slice(0, 0), f)
-    assert _prep(math_lighteval, "--input_dir", d, "--local_dir", tmp_path / "o") == 2
+    assert _prep(math_lighteval, "--input-dir", d, "--out", tmp_path / "o") == 2
     err = capsys.readouterr().err
     assert "test" in err and str(f) in err and "no rows" in err
 
@@ -417,7 +413,7 @@ def test_unreadable_file_names_file(tmp_path, capsys):
     d = _copy_math(tmp_path)
     f = d / "data" / "train-00000-of-00001.parquet"
     f.write_bytes(b"not a parquet file at all")
-    assert _prep(math_lighteval, "--input_dir", d, "--local_dir", tmp_path / "o") == 2
+    assert _prep(math_lighteval, "--input-dir", d, "--out", tmp_path / "o") == 2
     err = capsys.readouterr().err
     assert str(f) in err and "cannot read as parquet" in err
 
@@ -429,12 +425,12 @@ def test_no_boxed_answer_counted_then_fails_above_threshold(tmp_path, capsys):
     t["solution"][5] = "We compute and get 12."  # no \boxed
     pq.write_table(pa.table(t), f)
     # 1/30 = 3.3 % > default 1 %: fail, naming the row
-    assert _prep(math_lighteval, "--input_dir", d, "--local_dir", tmp_path / "o1") == 2
+    assert _prep(math_lighteval, "--input-dir", d, "--out", tmp_path / "o1") == 2
     err = capsys.readouterr().err
-    assert "no_boxed_answer" in err and f"{f}:5" in err and "--max_bad_frac" in err
+    assert "no_boxed_answer" in err and f"{f}:5" in err and "--max-bad-frac" in err
     assert not (tmp_path / "o1" / "train.parquet").exists()
     # a looser threshold: converted, the row dropped and reported
-    assert _prep(math_lighteval, "--input_dir", d, "--local_dir", tmp_path / "o2", "--max_bad_frac", "0.05") == 0
+    assert _prep(math_lighteval, "--input-dir", d, "--out", tmp_path / "o2", "--max-bad-frac", "0.05") == 0
     cap = capsys.readouterr()
     assert "1 unusable" in cap.out and f"{f}:5" in cap.err
     rows = _rows(tmp_path / "o2" / "train.parquet")
@@ -449,7 +445,7 @@ def test_gsm8k_bad_answers(tmp_path, capsys):
     t["answer"][2] = "no final marker"
     t["answer"][3] = "blah\n#### seven"
     pq.write_table(pa.table(t), f)
-    assert _prep(gsm8k, "--input_dir", d, "--local_dir", tmp_path / "o", "--max_bad_frac", "0.2") == 0
+    assert _prep(gsm8k, "--input-dir", d, "--out", tmp_path / "o", "--max-bad-frac", "0.2") == 0
     err = capsys.readouterr().err
     assert "no_hash_answer" in err and "answer_not_numeric" in err
     assert len(_rows(tmp_path / "o" / "train.parquet")) == 18
@@ -474,7 +470,7 @@ def test_bad_layouts(tmp_path, capsys, layout, needle, hint):
     elif layout == "subset_folder":  # only a per-subject folder, as in the HF repo's configs
         (d / "algebra").mkdir(parents=True)
         shutil.copy(MATH_MINI / "data" / "train-00000-of-00001.parquet", d / "algebra")
-    assert _prep(math_lighteval, "--input_dir", d, "--local_dir", tmp_path / "o") == 2
+    assert _prep(math_lighteval, "--input-dir", d, "--out", tmp_path / "o") == 2
     err = capsys.readouterr().err
     assert needle in err
     assert ("modelscope download --dataset AI-ModelScope/MATH-lighteval" in err) == hint
@@ -484,34 +480,34 @@ def test_train_only_with_splits_option(tmp_path):
     d = tmp_path / "ds" / "data"
     d.mkdir(parents=True)
     shutil.copy(MATH_MINI / "data" / "train-00000-of-00001.parquet", d)
-    assert _prep(math_lighteval, "--input_dir", d.parent, "--local_dir", tmp_path / "o", "--splits", "train") == 0
+    assert _prep(math_lighteval, "--input-dir", d.parent, "--out", tmp_path / "o", "--splits", "train") == 0
     assert (tmp_path / "o" / "train.parquet").exists() and not (tmp_path / "o" / "test.parquet").exists()
 
 
 @pytest.mark.parametrize(
     "args, needle",
     [
-        (["--max_prompt_length", "100"], "need --tokenizer"),
+        (["--max-prompt-length", "100"], "need --tokenizer"),
         (["--splits", "train,dev"], "allowed values are train, test"),
-        (["--train_size", "0"], "--train_size must be a positive integer"),
-        (["--max_bad_frac", "2"], "--max_bad_frac must be in [0, 1]"),
+        (["--train-size", "0"], "--train-size must be a positive integer"),
+        (["--max-bad-frac", "2"], "--max-bad-frac must be in [0, 1]"),
         (["--tokenizer", "/nonexistent/tok"], "--tokenizer /nonexistent/tok: cannot load"),
     ],
 )
 def test_bad_options(tmp_path, capsys, args, needle):
-    assert _prep(math_lighteval, "--input_dir", MATH_MINI, "--local_dir", tmp_path / "o", *args) == 2
+    assert _prep(math_lighteval, "--input-dir", MATH_MINI, "--out", tmp_path / "o", *args) == 2
     assert needle in capsys.readouterr().err
 
 
 def test_offline_without_input_dir_explains(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    assert _prep(math_lighteval, "--local_dir", tmp_path / "o") == 2
+    assert _prep(math_lighteval, "--out", tmp_path / "o") == 2
     err = capsys.readouterr().err
-    assert "HF_HUB_OFFLINE" in err and "--input_dir" in err and "modelscope download" in err
+    assert "HF_HUB_OFFLINE" in err and "--input-dir" in err and "modelscope download" in err
 
 
 def test_hub_fetch_path_uses_datasets(tmp_path, monkeypatch):
-    """Without --input_dir the rows come from datasets.load_dataset(name, config) (stubbed: no network)."""
+    """Without --input-dir the rows come from datasets.load_dataset(name, config) (stubbed: no network)."""
     import datasets
 
     src = pq.read_table(GSM8K_MINI / "main" / "train-00000-of-00001.parquet").to_pylist()
@@ -524,7 +520,7 @@ def test_hub_fetch_path_uses_datasets(tmp_path, monkeypatch):
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")
     monkeypatch.setattr(datasets, "load_dataset", fake_load)
-    assert _prep(gsm8k, "--local_dir", tmp_path / "o") == 0
+    assert _prep(gsm8k, "--out", tmp_path / "o") == 0
     assert seen["args"] == ("openai/gsm8k", "main")
     assert len(_rows(tmp_path / "o" / "train.parquet")) == 20 and len(_rows(tmp_path / "o" / "test.parquet")) == 4
 
@@ -535,14 +531,14 @@ def test_hub_fetch_path_uses_datasets(tmp_path, monkeypatch):
 
 def test_failed_run_leaves_previous_output_intact(tmp_path, monkeypatch):
     out = tmp_path / "o"
-    assert _prep(math_lighteval, "--input_dir", MATH_MINI, "--local_dir", out) == 0
+    assert _prep(math_lighteval, "--input-dir", MATH_MINI, "--out", out) == 0
     before = (out / "train.parquet").read_bytes()
 
     def boom(*a, **k):
         raise OSError("disk full (simulated)")
 
     monkeypatch.setattr(pq, "write_table", boom)
-    assert math_lighteval.main(["--input_dir", str(MATH_MINI), "--local_dir", str(out), "--train_size", "5"]) == 2
+    assert math_lighteval.main(["--input-dir", str(MATH_MINI), "--out", str(out), "--train-size", "5"]) == 2
     assert (out / "train.parquet").read_bytes() == before
     assert sorted(p.name for p in out.iterdir()) == ["prep_summary.json", "test.parquet", "train.parquet"]
 
@@ -579,9 +575,9 @@ def test_module_and_cli_entry_points(tmp_path):
             "-m",
             "dsv3_rl.data.cli",
             "gsm8k",
-            "--input_dir",
+            "--input-dir",
             str(GSM8K_MINI),
-            "--local_dir",
+            "--out",
             str(tmp_path),
         ],
         capture_output=True,
@@ -615,7 +611,7 @@ def test_module_and_cli_entry_points(tmp_path):
 def test_validator_catches_corrupted_output(tmp_path, corrupt, needle):
     """Planted faults for validate_rl_parquet: each corruption of one row must be reported."""
     out = tmp_path / "o"
-    assert _prep(math_lighteval, "--input_dir", MATH_MINI, "--local_dir", out, "--splits", "test") == 0
+    assert _prep(math_lighteval, "--input-dir", MATH_MINI, "--out", out, "--splits", "test") == 0
     rows = _rows(out / "test.parquet")
     corrupt(rows[3])
     bad = tmp_path / "bad.parquet"

@@ -202,7 +202,7 @@ def test_changed_source_shard_is_redone(src_copy, tmp_path):
 def test_other_options_in_the_same_output_dir_are_refused(src, cast_dir, tmp_path):
     out = tmp_path / "opts"
     shutil.copytree(cast_dir, out)
-    with pytest.raises(CheckpointError, match="drop_mtp.*Use the same options, an empty dir, or --overwrite"):
+    with pytest.raises(CheckpointError, match="drop_mtp.*Use the same options, an empty dir, or --force"):
         cast_checkpoint(src, out, drop_mtp=False, **QUIET)
     cast_checkpoint(src, out, drop_mtp=False, overwrite=True, **QUIET)
     assert json.loads((out / "config.json").read_text())["num_nextn_predict_layers"] == 1

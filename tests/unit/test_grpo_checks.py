@@ -224,7 +224,7 @@ def test_shipped_task_is_the_generator_output_and_reward_grades_it(tmp_path):
     for split in ("train", "test"):
         name = f"data/{split}-00000-of-00001.parquet"
         assert pd.read_parquet(shipped / name).equals(pd.read_parquet(tmp_path / "raw" / name))
-    assert math_lighteval.main(["--input_dir", str(shipped), "--local_dir", str(tmp_path / "rl")]) == 0
+    assert math_lighteval.main(["--input-dir", str(shipped), "--out", str(tmp_path / "rl")]) == 0
     rows = pd.read_parquet(tmp_path / "rl" / "test.parquet")
     assert len(rows) == 18
     for _, r in rows.iterrows():

@@ -127,7 +127,7 @@ def test_cli_fixes_in_place_then_nothing_left(bf16_dir, capsys):
 
 def test_cli_output_elsewhere(bf16_dir, tmp_path):
     before = (bf16_dir / "config.json").read_text()
-    assert hf_config.main([str(bf16_dir / "config.json"), "-o", str(tmp_path / "fixed.json")]) == 0
+    assert hf_config.main([str(bf16_dir / "config.json"), "--out", str(tmp_path / "fixed.json")]) == 0
     assert (bf16_dir / "config.json").read_text() == before
     assert json.loads((tmp_path / "fixed.json").read_text())["num_nextn_predict_layers"] == 0
 

@@ -9,7 +9,6 @@ converter's output.
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
@@ -17,7 +16,7 @@ import pytest
 
 from dsv3_rl.launch import run as launch_run
 from dsv3_rl.launch.presets import REPO, list_presets, load_preset
-from dsv3_rl.launch.stages import CONVERT_MANIFEST
+from dsv3_rl.checkpoint.manifest import CONVERT_TOOL, MANIFEST, write_manifest
 from dsv3_rl.launch.verl_config import VerlConfigError
 
 pytestmark = pytest.mark.slow  # imports verl + megatron-core once (~20 s), then a few seconds per preset
@@ -45,7 +44,7 @@ def environ_for(preset: str, tmp: Path, dsv3_cfg: Path) -> dict[str, str]:
     paths = launch_run.resolve_paths(p, env, {})
     mc = Path(env["MCORE_PATH"])
     mc.mkdir(parents=True, exist_ok=True)
-    (mc / CONVERT_MANIFEST).write_text(json.dumps({"complete": True, "direction": "hf->mcore", "source": str(paths.hf)}))
+    write_manifest(mc, CONVERT_TOOL, {"complete": True, "direction": "hf->mcore", "source": str(paths.hf)})
     return env
 
 
@@ -199,7 +198,7 @@ def test_stages_run_for_real_then_skip(tmp_path):
 
     assert len(pd.read_parquet(data / "train.parquet")) == 16 and (data / ".dsv3-launch-data.json").is_file()
     again = launch_run.resolve(str(preset), [], env, validate=False)
-    assert (launch.paths.mcore / CONVERT_MANIFEST).is_file()
+    assert (launch.paths.mcore / MANIFEST).is_file()
     assert f"actor_rollout_ref.actor.megatron.dist_checkpointing_path={launch.paths.mcore}" in launch.argv
     assert [s.status()[0] for s in again.stages] == ["done", "skip", "done", "done", "done"], \
         [s.status() for s in again.stages]

@@ -172,7 +172,8 @@ def test_stage_failure_and_unverified_output_are_errors(tmp_path):
 
 def test_fp8_and_convert_stages_trust_the_tools_manifests(tmp_path):
     from dsv3_rl.launch.run import Paths
-    from dsv3_rl.launch.stages import CONVERT_MANIFEST, FP8_MANIFEST, build_stages
+    from dsv3_rl.checkpoint.manifest import CONVERT_TOOL, FP8_TOOL, write_manifest
+    from dsv3_rl.launch.stages import build_stages
 
     p = load_preset("671b_512xH100")
     model, hf, mcore = tmp_path / "m", tmp_path / "m-BF16", tmp_path / "mc"
@@ -183,17 +184,17 @@ def test_fp8_and_convert_stages_trust_the_tools_manifests(tmp_path):
     assert by["fp8_cast"].needed and by["fp8_cast"].status()[0] == "run"
     hf.mkdir()
     (hf / "config.json").write_text("{}")
-    (hf / FP8_MANIFEST).write_text(json.dumps({"complete": False, "input": str(model)}))
+    write_manifest(hf, FP8_TOOL, {"complete": False, "input": str(model)})
     assert by["fp8_cast"].status()[0] == "run"  # incomplete cast: resume
-    (hf / FP8_MANIFEST).write_text(json.dumps({"complete": True, "input": str(tmp_path / "other")}))
+    write_manifest(hf, FP8_TOOL, {"complete": True, "input": str(tmp_path / "other")})
     assert "not of" in by["fp8_cast"].status()[1]  # a cast of another checkpoint
-    (hf / FP8_MANIFEST).write_text(json.dumps({"complete": True, "input": str(model)}))
+    write_manifest(hf, FP8_TOOL, {"complete": True, "input": str(model)})
     assert by["fp8_cast"].status()[0] == "done"
     mcore.mkdir()
-    (mcore / CONVERT_MANIFEST).write_text(json.dumps({"complete": True, "direction": "hf->mcore", "source": str(hf)}))
+    write_manifest(mcore, CONVERT_TOOL, {"complete": True, "direction": "hf->mcore", "source": str(hf)})
     by = {s.name: s for s in build_stages(p, paths, max_prompt_length=2048, model_cfg={})}
     assert by["convert"].status()[0] == "done"
-    (mcore / CONVERT_MANIFEST).write_text(json.dumps({"complete": True, "direction": "hf->mcore", "source": "/x"}))
+    write_manifest(mcore, CONVERT_TOOL, {"complete": True, "direction": "hf->mcore", "source": "/x"})
     by = {s.name: s for s in build_stages(p, paths, max_prompt_length=2048, model_cfg={})}
     assert by["convert"].status()[0] == "run"  # rerun the converter (no "not in this checkout" error any more)
 
@@ -218,6 +219,7 @@ class _FakeLaunch:
 
 
 def _execute(monkeypatch, tmp_path, env, **kw):
+    from dsv3_rl.errors import run_main
     from dsv3_rl.launch import cli, ray_cluster
 
     calls = {}
@@ -229,7 +231,8 @@ def _execute(monkeypatch, tmp_path, env, **kw):
     launch._env = env
     for k in [k for k in __import__("os").environ if k.startswith(("RAY_", "MLP_", "SLURM_"))]:
         monkeypatch.delenv(k, raising=False)
-    rc = cli.execute(launch)
+    # as `dsv3-launch` runs it: a PlatformError becomes one `error:` line and exit 2 (cli_main)
+    rc = run_main(lambda argv: cli.execute(launch), [])
     return rc, calls
 
 

@@ -6,7 +6,6 @@ Adversarial inputs and the time limit are in test_math_reward_adversarial.py.
 from __future__ import annotations
 
 import asyncio
-import os
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +25,6 @@ REPO = Path(__file__).resolve().parents[2]
 REWARD_FILE = REPO / "toolkits" / "reward" / "math_reward.py"
 MATH_MINI = REPO / "tests" / "assets" / "math_lighteval_mini"
 DEMO_MATH = REPO / "examples" / "deepseek_v3" / "data" / "MATH-lighteval-sample"
-SHARED = Path(os.environ.get("DSV3_SHARED_DATA", REPO.parent / "shared" / "data"))
 MATH = "DigitalLearningGmbH/MATH-lighteval"
 GSM = "openai/gsm8k"
 
@@ -382,10 +380,8 @@ def test_rates_on_in_repo_demo_sample():
     _assert_perfect(rep)
 
 
-@pytest.mark.skipif(not SHARED.is_dir(), reason="needs the full MATH-lighteval sample (not in the repo): "
-                    "set DSV3_SHARED_DATA to a directory holding MATH-lighteval-sample/")
-def test_rates_on_full_shared_math_sample():
-    rep = _rates(SHARED / "MATH-lighteval-sample")
+def test_rates_on_full_shared_math_sample(shared_data):
+    rep = _rates(shared_data / "MATH-lighteval-sample")
     assert rep.n["reference"] == 400
     _assert_perfect(rep)
 
@@ -428,7 +424,7 @@ def test_gsm8k_rl_parquet_rows_are_gsm8k(tmp_path):
     """Our RL parquet of GSM8K: rows are recognised by data_source and checked on '#### N'."""
     from dsv3_rl.data import gsm8k
 
-    assert gsm8k.main(["--input_dir", str(DEMO_GSM8K), "--local_dir", str(tmp_path)]) == 0
+    assert gsm8k.main(["--input-dir", str(DEMO_GSM8K), "--out", str(tmp_path)]) == 0
     rows = check.load_rows(tmp_path / "test.parquet")
     assert len(rows) == 50 and {r[2] for r in rows} == {"gsm8k"}
     assert check.main(["--input", str(tmp_path / "test.parquet"), "--strict"]) == 0

@@ -2,7 +2,6 @@
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -14,9 +13,6 @@ from dsv3_rl.models import mini_model, presets, tokenizer
 from dsv3_rl.models.mini_model import fuse_experts, tensor_specs, write_mini_model
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
-# The full MATH-lighteval and GSM8K samples the cached tokenizer was trained on are not in the repo:
-# DSV3_SHARED_DATA names a directory holding MATH-lighteval-sample/ and gsm8k-sample/ (CONTRIBUTING.md).
-FULL_SAMPLES = Path(os.environ.get("DSV3_SHARED_DATA", Path(__file__).resolve().parents[3] / "shared" / "data"))
 HUB_CONFIG = ASSETS / "deepseek_v3_config.json"
 
 
@@ -189,17 +185,13 @@ def test_tokenizer_build_is_deterministic(tmp_path):
     assert len(AutoTokenizer.from_pretrained(a)) == tokenizer.VOCAB_SIZE  # placeholders fill the vocab
 
 
-def test_cached_tokenizer_asset_is_small_and_reproducible(tmp_path):
+def test_cached_tokenizer_asset_is_small_and_reproducible(tmp_path, shared_data):
     files = [tokenizer.ASSET_DIR / f for f in tokenizer.FILES]
     assert sum(f.stat().st_size for f in files) < 2_000_000
     info = json.loads((tokenizer.ASSET_DIR / "build_info.json").read_text())
     for f in files:
         assert hashlib.sha256(f.read_bytes()).hexdigest() == info["sha256"][f.name], f.name
-    if not FULL_SAMPLES.is_dir():
-        pytest.skip("rebuild check needs the full MATH-lighteval/GSM8K samples the tokenizer was trained on "
-                    "(not in the repo): set DSV3_SHARED_DATA to a directory holding MATH-lighteval-sample/ "
-                    "and gsm8k-sample/")
-    rebuilt = tokenizer.build_from_data_dir(tmp_path / "t", FULL_SAMPLES)
+    rebuilt = tokenizer.build_from_data_dir(tmp_path / "t", shared_data)
     for name in tokenizer.FILES:
         assert (rebuilt / name).read_bytes() == (tokenizer.ASSET_DIR / name).read_bytes(), name
 
@@ -367,8 +359,11 @@ def test_cli(tmp_path, capsys):
     assert "allowed: tiny" in capsys.readouterr().err
     assert mini_model.main(["tiny", str(tmp_path / "y"), "--set", "num_hidden_layers=2", "--shards", "2"]) == 0
     assert json.loads((tmp_path / "y" / "config.json").read_text())["num_hidden_layers"] == 2
-    assert mini_model.main(["tiny", str(tmp_path / "y")]) == 2  # not empty, no --overwrite
+    assert mini_model.main(["tiny", str(tmp_path / "y")]) == 2  # not empty, no --force
     assert "not empty" in capsys.readouterr().err
+    assert mini_model.main(["--model", "tiny", "--out", str(tmp_path / "y"), "--force"]) == 0  # the flag spelling
+    assert mini_model.main(["tiny", "--model", "proxy", "--out", str(tmp_path / "z")]) == 2  # twin: two presets
+    assert "disagree" in capsys.readouterr().err
 
 
 def test_failed_overwrite_keeps_the_old_model(tmp_path, tiny_hf):

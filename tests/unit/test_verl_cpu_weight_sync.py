@@ -15,9 +15,8 @@ import uuid
 
 import pytest
 import torch
-
-pytest.importorskip("zmq")
-pytest.importorskip("verl")
+import verl  # noqa: F401 - imported, not skipped: a missing or broken backend FAILS (`make setup` installs it)
+import zmq  # noqa: F401 - verl's weight-sync transport; missing FAILS (`make setup` installs it)
 
 
 @pytest.fixture(autouse=True)

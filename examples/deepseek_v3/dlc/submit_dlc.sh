@@ -16,7 +16,7 @@ PYTHON=${PYTHON:-python}
 if [[ -z "${VIRTUAL_ENV:-}" && -x "$REPO/.venv/bin/python" ]]; then PYTHON="$REPO/.venv/bin/python"; fi
 mkdir -p "$OUT"
 cd "$REPO"
-"$PYTHON" -m dsv3_rl.launch dlc --preset "$PRESET" --format job_file -o "$OUT/$PRESET.job" "$@"
-"$PYTHON" -m dsv3_rl.launch dlc --preset "$PRESET" --format json -o "$OUT/$PRESET.json" "$@"
+"$PYTHON" -m dsv3_rl.launch dlc --preset "$PRESET" --format job_file --out "$OUT/$PRESET.job" "$@"
+"$PYTHON" -m dsv3_rl.launch dlc --preset "$PRESET" --format json --out "$OUT/$PRESET.json" "$@"
 echo "submit with:  dlc submit pytorchjob --job_file=$OUT/$PRESET.job"
 if [[ "${SUBMIT:-0}" == 1 ]]; then dlc submit pytorchjob --job_file="$OUT/$PRESET.job"; fi

@@ -1,0 +1,90 @@
+"""The shared pieces of every tool's argparse parser (the conventions are in docs/cli.md).
+
+* :func:`alias`: an old spelling of an option (``--local_dir``, ``--overwrite``, ``-o``) still parses, to the same
+  action, but ``--help`` lists only the new one;
+* :func:`add_out` / :func:`add_force`: ``--out`` for where a tool writes, ``--force`` to replace or redo;
+* :func:`add_layout` / :func:`layout`: one ``--layout tp=..,pp=..,ep=..`` syntax, parsed by
+  :meth:`dsv3_rl.layout.Layout.parse`;
+* :func:`one_path`: an output (or input) given positionally or by flag, not both differently;
+* :func:`usage_errors`: a ``ValueError``/``KeyError`` about the input becomes a :class:`UsageError`, so the
+  ``cli_main`` wrapper prints it as one ``error: ...`` line (exit 2); no tool prints ``error:`` itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+from collections.abc import Iterator
+
+from dsv3_rl.errors import Dsv3Error
+from dsv3_rl.layout import Layout
+
+
+class UsageError(Dsv3Error, ValueError):
+    """Options that parse but do not make sense together (the wrapper prints ``error: ...``, exit 2)."""
+
+
+def alias(parser: argparse.ArgumentParser, option: str, *old: str) -> None:
+    """Make each OLD spelling parse as OPTION without listing it in ``--help`` (docs/cli.md lists them)."""
+    action = parser._option_string_actions[option]
+    for o in old:
+        if o in parser._option_string_actions:
+            raise ValueError(f"{parser.prog}: alias {o} is already an option")
+        parser._option_string_actions[o] = action
+
+
+def hidden_aliases(parser: argparse.ArgumentParser) -> dict[str, str]:
+    """``{old spelling: option}`` of the aliases :func:`alias` added to PARSER (not its subparsers)."""
+    return {s: a.option_strings[-1] for s, a in parser._option_string_actions.items() if s not in a.option_strings}
+
+
+def add_out(parser: argparse.ArgumentParser, *old: str, help: str, **kw) -> argparse.Action:
+    """``--out PATH``: where the tool writes. OLD spellings stay as hidden aliases."""
+    action = parser.add_argument("--out", help=help, **kw)
+    alias(parser, "--out", *old)
+    return action
+
+
+def add_force(parser: argparse.ArgumentParser, *old: str, help: str) -> argparse.Action:
+    """``--force``: replace a complete output / redo finished work. OLD spellings stay as hidden aliases."""
+    action = parser.add_argument("--force", action="store_true", help=help)
+    alias(parser, "--force", *old)
+    return action
+
+
+def layout(text: str) -> Layout:
+    """argparse ``type=`` for one layout spec, ``tp=2,pp=2,ep=2`` (any :class:`Layout` field)."""
+    try:
+        return Layout.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_layout(parser: argparse.ArgumentParser, default: str | None = "tp=1", help: str = "") -> argparse.Action:
+    """``--layout tp=..,pp=..,ep=..,etp=..,vpp=..`` (the :class:`dsv3_rl.layout.Layout` fields)."""
+    text = "megatron layout, e.g. tp=2,pp=2,ep=2,etp=1 (dsv3_rl.layout.Layout fields)"
+    return parser.add_argument("--layout", type=layout, default=None if default is None else Layout.parse(default),
+                               metavar="tp=..,pp=..,ep=..", help=f"{help} ({text}; default {default})" if help
+                               else f"{text}; default {default}")
+
+
+def one_path(pos_name: str, pos: str | None, flag_name: str, flag: str | None) -> str:
+    """The path given as positional POS_NAME or as FLAG_NAME; both (differing) or neither is refused."""
+    if pos and flag and os.path.abspath(pos) != os.path.abspath(flag):
+        raise UsageError(f"{pos_name} {pos!r} and {flag_name} {flag!r} disagree; give one of them")
+    if not (pos or flag):
+        raise UsageError(f"give {pos_name} (or {flag_name})")
+    return pos or flag
+
+
+@contextlib.contextmanager
+def usage_errors(*types: type[Exception]) -> Iterator[None]:
+    """Re-raise TYPES (default ``ValueError``, ``KeyError``) from the block as :class:`UsageError`."""
+    catch: tuple[type[Exception], ...] = types or (ValueError, KeyError)
+    try:
+        yield
+    except Dsv3Error:
+        raise
+    except catch as e:
+        raise UsageError(e.args[0] if isinstance(e, KeyError) and e.args else str(e)) from None
