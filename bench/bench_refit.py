@@ -8,9 +8,12 @@ imported without Ray (dsv3_rl.refit.verl_export), so this runs where only torch 
 
 Measures, in the same process:
 * copy bandwidth: ``dst.copy_(src)`` of one bucket, as bytes copied per second (each byte counted once);
-* export: HF-named BF16 bytes produced per second (stream + bucket fill, device synchronised per bucket as
-  verl does before handing a bucket over), best of ``--iters``, and its ratio to the copy bandwidth
-  (target >= 0.5 on GPU);
+* export: HF-named BF16 bytes produced per second (bucket allocation + stream + bucket fill, device
+  synchronised per bucket as verl does before handing a bucket over; verl's sender allocates and frees its
+  bucket on every refit, so the allocation is counted and also reported alone), best of ``--iters``, and its
+  ratio to the copy bandwidth (target >= 0.5 on GPU);
+* the bucket fill alone: the same tensors, produced beforehand, copied into the buckets (the floor the
+  export's own work adds to);
 * peak extra memory: ``torch.cuda.max_memory_allocated`` during the export minus the allocation before it,
   bucket buffer included (target: no more than one bucket); not measured on CPU;
 * ``--manifest``: the trainer-side checksum manifest (dsv3_rl.refit.manifest) over the stream and its
@@ -21,7 +24,7 @@ Measures, in the same process:
 
     python bench/bench_refit.py                                  # proxy preset on GPU (tiny on CPU)
     python bench/bench_refit.py --fp8 --manifest --json out.json
-    python bench/bench_refit.py --preset tiny --device cpu       # CPU smoke test
+    python bench/bench_refit.py --model tiny --device cpu        # CPU smoke test
 
 Prints one summary line (``refit bench: ...``); ``--json FILE`` writes every number.
 """
@@ -30,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import sys
 import time
@@ -41,7 +43,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo, when run from a bare checkout
 
 from dsv3_rl.errors import Dsv3Error, cli_main  # noqa: E402
+from dsv3_rl.fs import write_json_atomic  # noqa: E402
 
+KERNEL_REPS = 10  # back-to-back calls per timed sample of the copy and the quantize kernel (GPU)
 LAYER_NAME_MAPPING = {"qkv_layer_name": "self_attention.linear_qkv.", "gate_proj_layer_name": "linear_fc1."}
 
 
@@ -50,15 +54,18 @@ def _sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
-def _timeit(fn, dev: torch.device, iters: int) -> float:
+def _timeit(fn, dev: torch.device, iters: int, reps: int = 1) -> float:
+    """Best of ITERS samples of the seconds per call of FN; each sample runs FN REPS times back to back between
+    two synchronisations, so that a sub-millisecond kernel is not timed against the host's sync latency."""
     fn()
     _sync(dev)
     best = float("inf")
     for _ in range(iters):
         t0 = time.perf_counter()
-        fn()
+        for _ in range(reps):
+            fn()
         _sync(dev)
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, (time.perf_counter() - t0) / reps)
     return best
 
 
@@ -66,7 +73,7 @@ def copy_bandwidth(dev: torch.device, nbytes: int, iters: int) -> float:
     """Bytes copied per second by ``dst.copy_(src)`` (each byte counted once)."""
     src = torch.empty(nbytes, dtype=torch.uint8, device=dev).fill_(1)
     dst = torch.empty_like(src)
-    return nbytes / _timeit(lambda: dst.copy_(src), dev, iters)
+    return nbytes / _timeit(lambda: dst.copy_(src), dev, iters, reps=KERNEL_REPS if dev.type == "cuda" else 1)
 
 
 def _sync_iter(agen):
@@ -93,7 +100,7 @@ def build(args, dev: torch.device):
     try:
         hf = presets.hf_config(args.preset, _parse_set(args.set or []))
     except (KeyError, ValueError) as e:
-        raise Dsv3Error(f"--preset/--set: {e.args[0]}") from None
+        raise Dsv3Error(f"--model/--set: {e.args[0]}") from None
     runtime.init_distributed(Parallel())
     overrides = {"attention_backend": AttnBackend.local}
     if dev.type == "cuda":
@@ -118,6 +125,8 @@ def run_export(v, hf, chunks, dev, bucket_bytes: int, iters: int, fp8: bool, man
 
     result = {}
     best = None
+    by_dtype: dict[str, list[int]] = {}
+    layout: dict[str, torch.Tensor] = {}
     for it in range(iters + 1):  # the first pass warms up (allocator, Triton compile) and is not counted
         _sync(dev)
         if dev.type == "cuda":
@@ -125,7 +134,9 @@ def run_export(v, hf, chunks, dev, bucket_bytes: int, iters: int, fp8: bool, man
             base = torch.cuda.memory_allocated(dev)
             torch.cuda.reset_peak_memory_stats(dev)
         t0 = time.perf_counter()
-        buffer = torch.empty(bucket_bytes, dtype=torch.uint8, device=dev)
+        buffer = torch.empty(bucket_bytes, dtype=torch.uint8, device=dev)  # verl allocates it per refit too
+        _sync(dev)
+        alloc_seconds = time.perf_counter() - t0
         sent = Manifest() if manifest else None
         buckets = []
 
@@ -136,10 +147,7 @@ def run_export(v, hf, chunks, dev, bucket_bytes: int, iters: int, fp8: bool, man
                 for name, t in bucket.tensors(buf):
                     sent.check(name, t)
 
-        by_dtype: dict[str, list[int]] = {}
-        layout: dict[str, torch.Tensor] = {}
-
-        def count(stream, by_dtype=by_dtype, layout=layout):
+        def count(stream, by_dtype=by_dtype, layout=layout):  # bookkeeping on the warm-up pass only
             for name, t in stream:
                 if fp8:
                     layout[name] = t.new_empty(t.shape, device="meta")
@@ -148,7 +156,9 @@ def run_export(v, hf, chunks, dev, bucket_bytes: int, iters: int, fp8: bool, man
                 c[1] += t.nbytes
                 yield name, t
 
-        stream = count(export_stream(v, hf, chunks, fp8))
+        stream = export_stream(v, hf, chunks, fp8)
+        if it == 0:
+            stream = count(stream)
         if sent is not None:
             stream = sent.tap(stream)
         ntensors, nbytes = fill_buckets(stream, buffer, on_bucket)
@@ -169,17 +179,25 @@ def run_export(v, hf, chunks, dev, bucket_bytes: int, iters: int, fp8: bool, man
                 result["fp8_layout_first_differences"] = diffs[:10]
             continue
         if best is None or seconds < best["seconds"]:
-            best = {"seconds": seconds, "tensors": ntensors, "bytes": nbytes, "buckets": len(buckets),
+            best = {"seconds": seconds, "alloc_seconds": alloc_seconds, "tensors": ntensors, "bytes": nbytes,
+                    "buckets": len(buckets),
                     "elements_by_dtype": {k: c[0] for k, c in by_dtype.items()},
                     "bytes_by_dtype": {k: c[1] for k, c in by_dtype.items()},
                     "GBps": nbytes / seconds / 1e9, "peak_extra_bytes": peak}
     result.update(best)
+    if not fp8 and not manifest:  # the same tensors, already produced, through the same bucket fill: the floor
+        items = list(export_stream(v, hf, chunks, False))
+        buffer = torch.empty(bucket_bytes, dtype=torch.uint8, device=dev)
+        result["fill_only_seconds"] = _timeit(lambda: fill_buckets(items, buffer, lambda b, buf: _sync(dev)), dev,
+                                              iters)
+        del items, buffer
     return result
 
 
 def fp8_kernel(v, dev: torch.device, shape: tuple[int, int], iters: int, copy_Bps: float) -> dict:
     x = torch.randn(shape, device=dev, dtype=torch.bfloat16)
-    s = _timeit(lambda: v.scaled_fp8_blockwise(x, weight_block_size=[128, 128]), dev, iters)
+    s = _timeit(lambda: v.scaled_fp8_blockwise(x, weight_block_size=[128, 128]), dev, iters,
+                reps=KERNEL_REPS if dev.type == "cuda" else 1)
     m, n = shape
     moved = m * n * 3 + -(-m // 128) * -(-n // 128) * 4  # bf16 read + fp8 write + fp32 scales
     return {"shape": list(shape), "seconds": s, "GBps": moved / s / 1e9,
@@ -188,12 +206,12 @@ def fp8_kernel(v, dev: torch.device, shape: tuple[int, int], iters: int, copy_Bp
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", default=None, help="model preset (default: proxy on GPU, tiny on CPU)")
+    p.add_argument("--model", dest="preset", default=None, help="model preset (default: proxy on GPU, tiny on CPU)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="preset override (repeatable)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--bucket-mb", type=int, default=None,
                    help="bucket size in MiB (default: verl's 2048 on GPU, 64 on CPU)")
-    p.add_argument("--iters", type=int, default=3, help="timed export passes after one warm-up (best is reported)")
+    p.add_argument("--iters", type=int, default=10, help="timed export passes after one warm-up (best is reported)")
     p.add_argument("--manifest", action="store_true", help="also time the export with the checksum manifest")
     p.add_argument("--fp8", action="store_true", help="also time the FP8 export and the quantize kernel")
     p.add_argument("--kernel-shape", default="16384,16384", help="M,N of the FP8 kernel measurement")
@@ -240,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.fp8:
             res["export_fp8"] = run_export(v, hf, chunks, dev, bucket_bytes, args.iters, fp8=True, manifest=False,
                                            preset=args.preset, overrides=args.set or [])
-            res["fp8_kernel"] = fp8_kernel(v, dev, kshape if dev.type == "cuda" else (512, 1024), max(args.iters, 3),
+            res["fp8_kernel"] = fp8_kernel(v, dev, kshape if dev.type == "cuda" else (512, 1024), max(args.iters, 10),
                                            copy_Bps)
     finally:
         runtime.destroy()
@@ -249,7 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     peak = "n/a (CPU)" if e["peak_extra_bytes"] is None else (
         f"{e['peak_extra_bytes'] / 2**20:.0f} MiB = {e['peak_extra_bytes'] / bucket_bytes:.2f} bucket")
     line = (f"refit bench: {res['device']} {args.preset} {e['bytes'] / 1e9:.2f} GB in {e['tensors']} HF tensors "
-            f"({e['buckets']} buckets of {bucket_bytes >> 20} MiB) in {e['seconds'] * 1e3:.1f} ms = "
+            f"({e['buckets']} buckets of {bucket_bytes >> 20} MiB) in {e['seconds'] * 1e3:.1f} ms "
+            f"(bucket allocation {e['alloc_seconds'] * 1e3:.1f} ms, bucket fill alone {e['fill_only_seconds'] * 1e3:.1f} ms) = "
             f"{e['GBps']:.1f} GB/s, {e['ratio_to_copy']:.2f}x copy {res['copy_GBps']:.1f} GB/s; peak extra {peak}")
     if "export_manifest" in res:
         line += f"; with manifest {res['export_manifest']['GBps']:.1f} GB/s"
@@ -261,10 +280,7 @@ def main(argv: list[str] | None = None) -> int:
                  f"quantize kernel {k['GBps']:.0f} GB/s = {k['ratio_to_copy']:.2f}x copy")
     print(line)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        tmp = args.json.with_name(args.json.name + ".tmp")
-        tmp.write_text(json.dumps(res, indent=2) + "\n")
-        os.replace(tmp, args.json)
+        write_json_atomic(args.json, res, ensure_ascii=True)
     return 0
 
 

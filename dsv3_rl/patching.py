@@ -48,6 +48,7 @@ from dsv3_rl.backends import (
     load_lock,
 )
 from dsv3_rl.errors import Dsv3Error, cli_main
+from dsv3_rl.fs import write_text_atomic
 
 REQUIRED_FIELDS = ("Description", "Why", "Upstream-Version", "Forwarded", "Remove-When", "Verified-By")
 OPTIONAL_FIELDS = ("Origin", "Author", "Bug", "Last-Update")
@@ -234,10 +235,10 @@ def apply(backend: Backend, root: Path = REPO_ROOT, quiet: bool = False) -> tupl
     """Apply the series; returns (newly applied, already applied)."""
     patches = lint(backend, root, headers=False)
     tree = _require_tree(backend, root)
+    states = dict(status(backend, root))
     new = old = 0
     for p in patches:
-        st = state(tree, p)
-        if st == "applied":
+        if states[p.name] == "applied":
             old += 1
             if not quiet:
                 print(f"[patches] {backend.name}: {p.name}: already applied, skipped")
@@ -298,9 +299,19 @@ def check(backend: Backend, root: Path = REPO_ROOT) -> int:
 
 
 def status(backend: Backend, root: Path = REPO_ROOT) -> list[tuple[str, str]]:
+    """``state`` of each patch, quilt-style: last to first in a copy of the live tree, each applied patch taken out
+    before the earlier ones are looked at, so a later patch that edits next to an earlier one's hunk (its context)
+    does not make the earlier one a conflict."""
     patches = lint(backend, root, headers=False)
     tree = _require_tree(backend, root)
-    return [(p.name, state(tree, p)) for p in patches]
+    states: dict[str, str] = {}
+    with tempfile.TemporaryDirectory(prefix="dsv3-status-") as td:
+        _copy_live(tree, Path(td))
+        for p in reversed(patches):
+            states[p.name] = state(Path(td), p)
+            if states[p.name] == "applied" and _git_apply(Path(td), p, "-R").returncode != 0:
+                states[p.name] = "conflict"
+    return [(p.name, states[p.name]) for p in patches]
 
 
 # --------------------------------------------------------------------------- making patches
@@ -402,9 +413,9 @@ def new_patch(backend: Backend, name: str, description: str, root: Path = REPO_R
     path = backend.patch_dir(root) / fname
     if path.exists():
         raise PatchError(f"{path} already exists; use `refresh` to update it")
-    _atomic_write(path, HEADER_TEMPLATE.format(description=description, upstream=f"{backend.name} {backend.version}") + body)
+    write_text_atomic(path, HEADER_TEMPLATE.format(description=description, upstream=f"{backend.name} {backend.version}") + body)
     series = backend.patch_dir(root) / "series"
-    _atomic_write(series, series.read_text().rstrip("\n") + f"\n{fname}\n" if series.read_text().strip() else f"{fname}\n")
+    write_text_atomic(series, series.read_text().rstrip("\n") + f"\n{fname}\n" if series.read_text().strip() else f"{fname}\n")
     return path
 
 
@@ -419,14 +430,8 @@ def refresh_patch(backend: Backend, name: str, root: Path = REPO_ROOT) -> Path:
         raise PatchError(f"refreshing {name} would leave it empty; remove it from the series instead")
     p = patches[idx]
     head = p.path.read_text()[: len(p.path.read_text()) - len(p.diff)]
-    _atomic_write(p.path, head + body)
+    write_text_atomic(p.path, head + body)
     return p.path
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 # --------------------------------------------------------------------------- PATCHES.md
@@ -550,7 +555,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
             print("[patches] PATCHES.md is current")
         else:
-            _atomic_write(target, text)
+            write_text_atomic(target, text)
             print(f"[patches] wrote {target.relative_to(root)}")
     return 0
 

@@ -333,6 +333,7 @@ def planner_check(model: Any, cfg, s: Sizes, gpu: str, options_extra: dict, *, c
             moe_grouped_gemm=bool(otc.get("moe_grouped_gemm", True)),
             rollout_enforce_eager=bool(g(f"{R}.enforce_eager")),
             rollout_max_num_batched_tokens=int(g(f"{R}.max_num_batched_tokens") or 8192),
+            rollout_quantization=str(g(f"{R}.quantization") or "none"),  # FP8 rollout weights (preset rollout_quantization)
         )
         opts.update(options_extra or {})
         rollout = RolloutLayout(tp=s.rollout_tp, dp=s.rollout_dp, ep=s.rollout_ep, gpus=s.world,

@@ -5,7 +5,7 @@
     dsv3-launch list [--markdown]                 the presets, with their parallel sizes
     dsv3-launch show --preset NAME                the preset's files, merged, as verl overrides
     dsv3-launch check-all                         dry-run every preset (CI)
-    dsv3-launch dlc --preset NAME [--format cli|job_file|json|yaml] [-o FILE] [--image ...]
+    dsv3-launch dlc --preset NAME [--format cli|job_file|json|yaml] [--out FILE] [--image ...]
     dsv3-launch slurm --preset NAME               the sbatch line for the preset
     dsv3-launch platform                          what the environment says about this node
 
@@ -13,7 +13,7 @@
 Everything that is not a launcher option is a verl/Hydra override (``data.train_batch_size=64``,
 ``+actor_rollout_ref.actor.megatron.override_transformer_config.moe_enable_deepep=true``).
 
-Exit status: 0 ok, 1 checks failed (nothing started) or the run failed, 2 bad input.
+Exit status: 0 ok, 1 checks failed (nothing started) or the run failed, 2 bad input or a stage / Ray cluster error.
 """
 
 from __future__ import annotations
@@ -25,8 +25,10 @@ import sys
 import time
 from pathlib import Path
 
+from dsv3_rl.cliargs import add_out
 from dsv3_rl.errors import cli_main
 from dsv3_rl.launch.presets import PresetError, list_presets, load_preset
+from dsv3_rl.fs import write_text_atomic
 
 COMMANDS = ("run", "check", "list", "show", "check-all", "dlc", "slurm", "platform")
 
@@ -50,7 +52,7 @@ def _run_parser() -> argparse.ArgumentParser:
                    help="multi-node: seconds for all nodes to join Ray (default 1800, $RAY_JOIN_TIMEOUT)")
     p.add_argument("--quiet", action="store_true", help="summary only, not the full command")
     p.add_argument("--force-stage", action="append", default=[], metavar="STAGE",
-                   help="rerun this stage even if its output verifies, passing the tool its own --force/--overwrite "
+                   help="rerun this stage even if its output verifies, passing the tool its --force "
                         "(repeatable; stages: weights, fp8_cast, hf_config, convert, data)")
     return p
 
@@ -145,8 +147,7 @@ def cmd_run(argv: list[str]) -> int:
     if bad:
         p.error(f"unknown launcher option(s) {bad}; verl overrides look like key=value (see --help)")
     if not args.preset:
-        print(f"error: no preset: pass --preset NAME or set PRESET (presets: {', '.join(list_presets())})", file=sys.stderr)
-        return 2
+        raise PresetError(f"no preset: pass --preset NAME or set PRESET (presets: {', '.join(list_presets())})")
     refuse_repeated_overrides(rest)
     t0 = time.monotonic()
     launch = _resolve_or_die(args.preset, rest, allow_missing=args.allow_missing and args.dry_run)
@@ -168,7 +169,6 @@ def cmd_run(argv: list[str]) -> int:
 def execute(launch, *, stages_only: bool = False, skip_stages: bool = False, join_timeout: float = 1800.0) -> int:
     """Run the stages and the training command here, or as one node of a multi-node Ray cluster."""
     from dsv3_rl.launch import platform, ray_cluster
-    from dsv3_rl.launch.stages import StageError
 
     env = launch.full_env()
     env.setdefault("RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S", "10")
@@ -180,13 +180,12 @@ def execute(launch, *, stages_only: bool = False, skip_stages: bool = False, joi
     nnodes = launch.sizes.nnodes
     print(f"platform   {info.describe()}")
     if info.nnodes != nnodes:
-        print(f"error: the job has {info.nnodes} node(s) ({info.platform}) but the run needs trainer.nnodes={nnodes} "
-              f"({launch.preset.hardware_name}); submit with {nnodes} nodes or override trainer.nnodes", file=sys.stderr)
-        return 2
+        raise platform.PlatformError(
+            f"the job has {info.nnodes} node(s) ({info.platform}) but the run needs trainer.nnodes={nnodes} "
+            f"({launch.preset.hardware_name}); submit with {nnodes} nodes or override trainer.nnodes")
     if info.gpus_per_node is not None and not launch.preset.is_cpu and info.gpus_per_node != launch.sizes.gpus_per_node:
-        print(f"error: this node has {info.gpus_per_node} GPUs ({', '.join(info.sources)}) but the run needs "
-              f"trainer.n_gpus_per_node={launch.sizes.gpus_per_node}", file=sys.stderr)
-        return 2
+        raise platform.PlatformError(f"this node has {info.gpus_per_node} GPUs ({', '.join(info.sources)}) but the run "
+                                     f"needs trainer.n_gpus_per_node={launch.sizes.gpus_per_node}")
 
     def run_stages():
         if skip_stages:
@@ -230,9 +229,6 @@ def execute(launch, *, stages_only: bool = False, skip_stages: bool = False, joi
             return 0
         return ray_cluster.run_worker(spec, env, ray_cluster.Timeouts(join=join_timeout),
                                       log_path=log_dir / f"worker-{info.node_rank}.log")
-    except (StageError, ray_cluster.RayClusterError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
     finally:
         signal.signal(signal.SIGTERM, old_term)
         for k, v in old_env.items():
@@ -268,6 +264,8 @@ def preset_rows() -> list[dict]:
                    + (f" EP{ro['ep']}" if (ro.get("ep") or 1) > 1 else ""))
         if "gpu_memory_utilization" in ro:
             rollout += f" @{ro['gpu_memory_utilization']}"
+        if p.rollout_quantization != "none":  # rollout_quantization: fp8 (dsv3_rl/launch/rollout_quantization.py)
+            rollout += f", {p.rollout_quantization.upper()} weights"
         hardware = p.hardware_name
         if p.is_cpu:
             hardware += f" ({p.gpus_per_node} processes)"
@@ -279,7 +277,6 @@ def preset_rows() -> list[dict]:
 
 
 def cmd_check(argv: list[str]) -> int:
-    from dsv3_rl.grpo.checks import CheckError
     from dsv3_rl.launch.train import check_finished
 
     p = argparse.ArgumentParser(prog="dsv3-launch check", description="Self-checks, plots and summary of a finished "
@@ -287,14 +284,9 @@ def cmd_check(argv: list[str]) -> int:
     p.add_argument("--preset", default=os.environ.get("PRESET"), help="preset name or YAML file (default $PRESET)")
     args, rest = p.parse_known_args(argv)
     if not args.preset:
-        print("error: no preset: pass --preset NAME or set PRESET", file=sys.stderr)
-        return 2
+        raise PresetError("no preset: pass --preset NAME or set PRESET")
     launch = _resolve_or_die_novalidate(args.preset, rest)
-    try:
-        return check_finished(launch)
-    except CheckError as e:  # a missing or unreadable run output, named
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return check_finished(launch)  # a missing or unreadable run output: CheckError, one line, exit 2
 
 
 def cmd_list(argv: list[str]) -> int:
@@ -363,7 +355,7 @@ def cmd_dlc(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="dsv3-launch dlc", description="PAI-DLC job spec for a preset")
     p.add_argument("--preset", default=os.environ.get("PRESET"))
     p.add_argument("--format", default="cli", choices=("cli", "job_file", "json", "yaml"))
-    p.add_argument("-o", "--output", help="write here (atomically) instead of stdout")
+    add_out(p, "-o", help="write here (atomically) instead of stdout")
     for k in ("image", "workspace-id", "resource-id", "data-sources", "code-dir", "name"):
         p.add_argument(f"--{k}")
     args, rest = p.parse_known_args(argv)
@@ -373,11 +365,9 @@ def cmd_dlc(argv: list[str]) -> int:
     spec = dlc_spec(preset, dict(os.environ), rest, image=args.image, workspace_id=args.workspace_id,
                     resource_id=args.resource_id, data_sources=args.data_sources, code_dir=args.code_dir, name=args.name)
     text = spec.render(args.format)
-    if args.output:
-        out = Path(args.output)
-        tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
-        tmp.write_text(text)
-        os.replace(tmp, out)
+    if args.out:
+        out = Path(args.out)
+        write_text_atomic(out, text)
         print(f"wrote {out} ({args.format}, {spec.workers} workers x {spec.gpu} GPUs)")
     else:
         sys.stdout.write(text)
@@ -427,7 +417,7 @@ def quiet_known_warnings() -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("-h", "--help"):
-        print(__doc__)
+        print(f"usage: dsv3-launch [{'|'.join(COMMANDS)}] [options] [verl overrides]\n\n{__doc__}")
         return 0
     cmd = "run"
     if argv and argv[0] in COMMANDS:

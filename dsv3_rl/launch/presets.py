@@ -2,7 +2,8 @@
 
 A preset names its model (facts live in :mod:`dsv3_rl.models.presets`), its hardware, a trainer
 ``layout`` (the fields of :class:`dsv3_rl.layout.Layout`), a ``rollout`` layout, the RL ``router``
-settings, the ``rollout_correction`` mode (:mod:`dsv3_rl.launch.rollout_correction`) and anything else as
+settings, the ``rollout_correction`` mode (:mod:`dsv3_rl.launch.rollout_correction`), the ``router_replay`` and
+``rollout_quantization`` modes (:mod:`dsv3_rl.launch.router_replay`, :mod:`dsv3_rl.launch.rollout_quantization`) and anything else as
 ``verl`` keys in verl's own config tree. ``extends`` pulls in shared
 files (``_grpo_math.yaml``); files whose name starts with ``_`` are bases, not runnable presets.
 
@@ -22,7 +23,7 @@ from typing import Any
 import pydantic
 
 from dsv3_rl.errors import Dsv3Error
-from dsv3_rl.launch import rollout_correction, router_replay
+from dsv3_rl.launch import rollout_correction, rollout_quantization, router_replay
 from dsv3_rl.layout import RECOMPUTE, Layout
 
 REPO = Path(__file__).resolve().parents[2]
@@ -76,7 +77,7 @@ SECTION_MODELS: dict[str, type[_Section] | None] = {
     "weights": WeightsSection, "data": DataSection, "entry": None, "config_name": None,
     "layout": LayoutSection, "rollout": RolloutSection, "router": RouterSection, "planner": None, "verl": None,
     "dlc": DlcSection, "slurm": SlurmSection, "run": RunSection, "checks": ChecksSection, "rollout_correction": None,
-    "router_replay": None,
+    "router_replay": None, "rollout_quantization": None,
 }
 SECTIONS: dict[str, tuple[str, ...] | None] = {k: tuple(m.model_fields) if m else None for k, m in SECTION_MODELS.items()}
 LAYOUT_KEYS = SECTIONS["layout"]
@@ -119,6 +120,8 @@ class Preset:
     """a :data:`dsv3_rl.launch.rollout_correction.MODES` name (verl's ``algorithm.rollout_correction``)"""
     router_replay: str = "none"
     """a :data:`dsv3_rl.launch.router_replay.MODES` name (verl's ``actor.megatron.router_replay.mode``)"""
+    rollout_quantization: str = "none"
+    """a :data:`dsv3_rl.launch.rollout_quantization.MODES` name (verl's ``rollout.quantization``)"""
 
     @property
     def nodes(self) -> int:
@@ -246,6 +249,17 @@ def _load_raw(path: Path, seen: tuple[Path, ...] = ()) -> tuple[dict, list[Path]
     return deep_merge(merged, data), files + [path]
 
 
+def _named_mode(where: str, data: dict, key: str, module) -> str:
+    """A preset's mode chosen by name (``rollout_correction``, ``router_replay``, ``rollout_quantization``): one of
+    ``module.MODES`` (dsv3_rl/launch/<key>.py), ``module.DEFAULT`` when the preset does not say."""
+    v = data.get(key)
+    v = module.DEFAULT if v is None else v
+    if not isinstance(v, str) or v not in module.MODES:
+        raise PresetError(f"{where}: {key}={v!r}{close(str(v), module.MODES)} (allowed: {', '.join(module.MODES)}; "
+                          f"dsv3_rl/launch/{key}.py says what each does)")
+    return v
+
+
 def load_preset(name_or_path: str | os.PathLike) -> Preset:
     """Read, merge and check a preset. Raises :class:`PresetError` naming the file and key."""
     path = preset_file(name_or_path)
@@ -303,6 +317,9 @@ def load_preset(name_or_path: str | os.PathLike) -> Preset:
         planner = {}
     if not isinstance(planner, (dict, bool)):
         raise PresetError(f"{where}: planner must be a mapping of dsv3_rl.planner.Options fields, or false")
+    if isinstance(planner, dict) and "rollout_quantization" in planner:  # the planner reads it from verl's config
+        raise PresetError(f"{where}: planner.rollout_quantization: set the preset's rollout_quantization instead "
+                          "(it sets verl's rollout.quantization, which the planner reads)")
     run = dict(data.get("run") or {})
     run.setdefault("project", "dsv3_grpo")
     run.setdefault("experiment", path.stem)
@@ -311,22 +328,17 @@ def load_preset(name_or_path: str | os.PathLike) -> Preset:
     checks = data.get("checks")
     if checks is not None:
         checks = dict(checks)  # keys and types checked per file (_check_keys)
-    rcorr = data.get("rollout_correction")
-    rcorr = rollout_correction.DEFAULT if rcorr is None else rcorr
-    if not isinstance(rcorr, str) or rcorr not in rollout_correction.MODES:
-        raise PresetError(f"{where}: rollout_correction={rcorr!r}{close(str(rcorr), rollout_correction.MODES)} "
-                          f"(allowed: {', '.join(rollout_correction.MODES)}; dsv3_rl/launch/rollout_correction.py "
-                          "says what each does)")
-    replay = data.get("router_replay")
-    replay = router_replay.DEFAULT if replay is None else replay
-    if not isinstance(replay, str) or replay not in router_replay.MODES:
-        raise PresetError(f"{where}: router_replay={replay!r}{close(str(replay), router_replay.MODES)} "
-                          f"(allowed: {', '.join(router_replay.MODES)}; dsv3_rl/launch/router_replay.py says what each does)")
+    rcorr = _named_mode(where, data, "rollout_correction", rollout_correction)
+    replay = _named_mode(where, data, "router_replay", router_replay)
+    quant = _named_mode(where, data, "rollout_quantization", rollout_quantization)
+    if quant == "fp8" and hw["gpu"] == "cpu":
+        raise PresetError(f"{where}: rollout_quantization=fp8 on a CPU preset (hardware.gpu=cpu): "
+                          f"{rollout_quantization.CPU_REFUSAL}")
     return Preset(
         name=path.stem, path=path, files=files, description=str(data.get("description", "")).strip(),
         model=data["model"], hardware=hw, env=env, weights=weights, data=dat,
         entry=data.get("entry", "verl.trainer.main_ppo"), config_name=data.get("config_name", "ppo_megatron_trainer"),
         layout=layout, rollout=dict(data.get("rollout") or {}), router=dict(data.get("router") or {}),
         planner=planner, verl=verl, dlc=dict(data.get("dlc") or {}), slurm=dict(data.get("slurm") or {}), run=run,
-        checks=checks, rollout_correction=rcorr, router_replay=replay,
+        checks=checks, rollout_correction=rcorr, router_replay=replay, rollout_quantization=quant,
     )

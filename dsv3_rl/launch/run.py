@@ -169,6 +169,9 @@ def derived_tree(preset: Preset, model_cfg: dict) -> dict:
     from dsv3_rl.launch import router_replay  # preset.router_replay by name -> actor.megatron.router_replay
 
     t = deep_merge(t, router_replay.verl_tree(preset.router_replay))
+    from dsv3_rl.launch import rollout_quantization  # preset.rollout_quantization by name -> rollout.quantization
+
+    t = deep_merge(t, rollout_quantization.verl_tree(preset.rollout_quantization))
     return t
 
 

@@ -14,14 +14,14 @@ unknown keys are errors listing the allowed ones.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 from pathlib import Path
 
+from dsv3_rl.cliargs import usage_errors
 from dsv3_rl.errors import cli_main
 from dsv3_rl.layout import from_dict, parse_kv
 from dsv3_rl.planner.spec import Cluster, GRPOShape, Layout, Options, RolloutLayout
+from dsv3_rl.fs import read_json, write_json_atomic
 
 ASSETS = Path(__file__).resolve().parents[2] / "tests" / "assets" / "planner"
 
@@ -49,7 +49,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def _inputs(a) -> tuple:
-    cfg = json.loads(a.config.read_text()) if a.config else {}
+    cfg = read_json(a.config, what="planner config (--config)") if a.config else {}
     unknown = sorted(set(cfg) - {"model", "cluster", "grpo", "options"})
     if unknown:
         raise ValueError(f"--config {a.config}: unknown section(s) {unknown}; allowed: model, cluster, grpo, options")
@@ -75,17 +75,6 @@ def _inputs(a) -> tuple:
     return model, from_dict(Cluster, cluster), from_dict(GRPOShape, grpo), from_dict(Options, options)
 
 
-def _write_json(path: Path, data) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    try:
-        tmp.write_text(json.dumps(data, indent=1, default=str))
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)  # nothing half-written is left behind
-        raise
-
-
 def cmd_plan(a) -> int:
     from dsv3_rl.planner.search import plan
 
@@ -96,7 +85,7 @@ def cmd_plan(a) -> int:
         res.plot(a.plot, top=a.plot_top)
         print(f"plot: {a.plot}")
     if a.json:
-        _write_json(a.json, res.to_dict())
+        write_json_atomic(a.json, res.to_dict(), indent=1, default=str, ensure_ascii=True)
         print(f"json: {a.json}")
     best = res.best
     if best is not None and best.rollout is not None:  # refit-time model of the best layout (docs/refit.md)
@@ -104,7 +93,7 @@ def cmd_plan(a) -> int:
         from dsv3_rl.planner.refit import refit_lines
 
         for line in refit_lines(_load_model(model), cluster.gpu_type, cluster.gpus_per_node, best.trainer_gpus,
-                                best.layout, best.rollout, options.rollout_weight_bytes):
+                                best.layout, best.rollout, options.rollout_quantization):
             print(line)
     print(f"summary: {len(res.feasible)} feasible / {res.evaluated} evaluated on {cluster.nodes}x{cluster.gpus_per_node} "
           f"{cluster.gpu}; best: {best.describe() if best else 'none'}"
@@ -124,7 +113,7 @@ def cmd_check(a) -> int:
     ev = evaluate(m, cluster, grpo, lay, options, rollout=ro)
     print(evaluation_report(ev, m, cluster, grpo, options))
     if a.json:
-        _write_json(a.json, ev.to_dict())
+        write_json_atomic(a.json, ev.to_dict(), indent=1, default=str, ensure_ascii=True)
     print(f"summary: {'FITS' if ev.feasible else 'DOES NOT FIT'}: {ev.describe()}"
           + (f", {ev.memory.total / 2**30:.1f} GiB peak" if ev.memory else "")
           + ("" if ev.feasible else f"; first failed rule: {ev.violations[0]}"))
@@ -209,11 +198,8 @@ def main(argv=None) -> int:
     p.add_argument("measured", nargs="*", type=Path)
     p.set_defaults(func=cmd_validate)
     a = ap.parse_args(argv)
-    try:
+    with usage_errors():
         return a.func(a)
-    except (ValueError, KeyError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 from dsv3_rl.planner.spec import GIB
 
@@ -416,6 +417,52 @@ def _rollout_weight_params(m, tp: int, ep: int) -> float:
     return total
 
 
+#: the three ways vLLM places a rollout weight (:func:`_rollout_weight_params`), by HF tensor name
+def _rollout_placement(name: str) -> str:
+    if ".mlp.experts." in name:
+        return "experts"  # whole experts over EP, or split by TP
+    if any(x in name for x in ("q_a_proj", "kv_a_proj_with_mqa", "layernorm", "norm.", ".mlp.gate.")):
+        return "replicated"  # MLA down-projections, norms, router
+    return "tp"
+
+
+@functools.lru_cache(maxsize=16)
+def fp8_savings(m) -> dict[str, float]:
+    """Bytes FP8 rollout weights save against BF16, per placement (replicated / tp / experts), unsharded:
+    for every tensor DeepSeek's FP8 release keeps in FP8 (the rule of :func:`dsv3_rl.refit.fp8_layout.reference_layout`,
+    over this model's shapes, MTP excluded: vLLM's rollout model has no MTP layer) 1 byte per element instead of 2,
+    less its fp32 ``_scale_inv`` (4 bytes per 128 x 128 block)."""
+    from dsv3_rl.refit.fp8_layout import SCALE_SUFFIX, reference_layout
+
+    if not m.q_lora_rank:
+        raise ValueError(f"rollout_quantization=fp8: model {m.name} has no q_lora_rank; DeepSeek's FP8 layout "
+                         "(tests/assets/deepseek_v3_fp8_layout) describes q_a_proj/q_b_proj models only")
+    out = {"replicated": 0.0, "tp": 0.0, "experts": 0.0}
+    for name, (dtype, shape) in reference_layout({**m.to_hf(), "num_nextn_predict_layers": 0}).items():
+        numel = math.prod(shape)
+        if name.endswith(SCALE_SUFFIX):
+            out[_rollout_placement(name[: -len(SCALE_SUFFIX)])] -= 4.0 * numel
+        elif dtype == "F8_E4M3":
+            out[_rollout_placement(name)] += 1.0 * numel
+    return out
+
+
+def rollout_weight_bytes(m, tp: int, ep: int = 1, quantization: str = "none") -> float:
+    """Weight bytes on one vLLM GPU (TP ``tp``, expert parallel over ``ep`` GPUs, 1 = none): BF16 for
+    ``quantization="none"``; for ``"fp8"`` the BF16 bytes less :func:`fp8_savings`, each placement divided as vLLM
+    divides it. The one count the rollout memory (:func:`rollout_memory`) and the refit model
+    (:func:`dsv3_rl.planner.refit.rollout_bytes_per_gpu`) use."""
+    b = 2.0 * _rollout_weight_params(m, tp, ep)
+    if quantization == "fp8":
+        s = fp8_savings(m)
+        b -= s["replicated"] + s["tp"] / tp + s["experts"] / (ep if ep > 1 else tp)
+    elif quantization != "none":
+        from dsv3_rl.launch.rollout_quantization import MODES
+
+        raise ValueError(f"rollout_quantization={quantization!r} (allowed: {', '.join(MODES)})")
+    return b
+
+
 def kv_bytes_per_token(m, dtype_bytes: int = 2) -> float:
     """vLLM's MLA cache holds the compressed latent (kv_lora_rank) + the rope key per token per
     layer, one copy on *every* TP rank (MLA has a single latent 'head', so TP does not shard it)."""
@@ -424,7 +471,7 @@ def kv_bytes_per_token(m, dtype_bytes: int = 2) -> float:
 
 def rollout_memory(m, ro, grpo, opt, mem_bytes: float, trainer_resident: float) -> RolloutMemory:
     rm = RolloutMemory()
-    rm.weights = rollout_weight_params(m, ro) * opt.rollout_weight_bytes
+    rm.weights = rollout_weight_bytes(m, ro.tp, ro.ep, opt.rollout_quantization)
     # vLLM's profiling run: one forward of max_num_batched_tokens; roughly hidden states, the MLA
     # up-projected q/k/v of a chunk, and the MoE intermediate on this GPU
     tkn = opt.rollout_max_num_batched_tokens

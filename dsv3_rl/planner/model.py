@@ -151,6 +151,19 @@ class ModelSpec:
             max_position_embeddings=int(g("max_position_embeddings") or 4096),
         )
 
+    def to_hf(self) -> dict[str, Any]:
+        """The HF config keys :meth:`from_hf` reads, back from this spec (for code that expands HF tensor names,
+        e.g. :func:`dsv3_rl.refit.fp8_layout.reference_layout`)."""
+        return {"num_hidden_layers": self.num_layers, "hidden_size": self.hidden, "vocab_size": self.vocab,
+                "num_attention_heads": self.num_heads, "q_lora_rank": self.q_lora_rank,
+                "kv_lora_rank": self.kv_lora_rank, "qk_nope_head_dim": self.qk_nope_dim,
+                "qk_rope_head_dim": self.qk_rope_dim, "v_head_dim": self.v_head_dim,
+                "intermediate_size": self.dense_ffn, "moe_intermediate_size": self.moe_ffn,
+                "n_routed_experts": self.num_experts, "n_shared_experts": self.num_shared_experts,
+                "num_experts_per_tok": self.topk, "first_k_dense_replace": self.first_k_dense,
+                "moe_layer_freq": self.moe_layer_freq, "num_nextn_predict_layers": self.mtp_layers,
+                "tie_word_embeddings": self.tie_embeddings, "max_position_embeddings": self.max_position_embeddings}
+
 
 @dataclasses.dataclass(frozen=True)
 class ParamCount:

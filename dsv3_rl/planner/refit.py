@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from dsv3_rl.planner.memory import rollout_weight_bytes
 from dsv3_rl.planner.model import ModelSpec, count_params
 from dsv3_rl.planner.spec import GPUType
 
@@ -64,20 +65,17 @@ def _outside_node(group: int, gpus_per_node: int) -> float:
     return (group - gpus_per_node) / (group - 1)
 
 
-def rollout_bytes_per_gpu(m: ModelSpec, tp: int, dp: int = 1, ep: bool = False, weight_bytes: float = 2.0) -> float:
+def rollout_bytes_per_gpu(m: ModelSpec, tp: int, dp: int = 1, ep: bool = False, quantization: str = "none") -> float:
     """What one vLLM GPU keeps: experts over TP (or over TP x DP with EP), everything else over TP, except the
-    MLA down-projections (q_a_proj, kv_a_proj_with_mqa), which vLLM replicates. Embeddings and the head in
-    BF16 also under FP8 (DeepSeek's release)."""
-    p = count_params(m)
-    replicated = m.num_layers * m.hidden * ((m.q_lora_rank or 0) + m.kv_lora_rank + m.qk_rope_dim)
-    dense = p.total - p.experts - replicated - p.embeddings
-    experts = p.experts / (tp * dp if ep else tp)
-    return (experts + dense / tp + replicated) * weight_bytes + p.embeddings / tp * 2.0
+    MLA down-projections (q_a_proj, kv_a_proj_with_mqa), norms and router, which vLLM replicates; with
+    ``quantization="fp8"`` DeepSeek's FP8 set in FP8 + scales, the rest BF16. The rollout memory's count
+    (:func:`dsv3_rl.planner.memory.rollout_weight_bytes`)."""
+    return rollout_weight_bytes(m, tp, tp * dp if ep else 1, quantization)
 
 
 def estimate_refit(m: ModelSpec, gpu: GPUType, gpus_per_node: int, trainer_gpus: int, tp: int, pp: int, ep: int,
                    rollout_tp: int, rollout_dp: int = 1, rollout_ep: bool = False, rollout_gpus: int | None = None,
-                   etp: int | None = None, export_gbps: float | None = None, weight_bytes: float = 2.0,
+                   etp: int | None = None, export_gbps: float | None = None, quantization: str = "none",
                    algorithm: str = "sharded") -> RefitEstimate:
     if algorithm not in ("sharded", "verl"):
         raise ValueError(f"refit algorithm {algorithm!r} (allowed: sharded, verl)")
@@ -87,9 +85,9 @@ def estimate_refit(m: ModelSpec, gpu: GPUType, gpus_per_node: int, trainer_gpus:
     p = count_params(m)
     w_exp, w_dense = p.experts * 2.0, (p.total - p.experts) * 2.0  # the trainer exports BF16
     w_all = w_exp + w_dense
-    r = rollout_bytes_per_gpu(m, rollout_tp, rollout_dp, rollout_ep, weight_bytes)
+    r = rollout_bytes_per_gpu(m, rollout_tp, rollout_dp, rollout_ep, quantization)
     load = r / (copy_gbps(gpu) * GB)
-    quant = (w_all / pp if algorithm == "sharded" else w_all) * (weight_bytes < 2) / (0.8 * copy_gbps(gpu) * GB)
+    quant = (w_all / pp if algorithm == "sharded" else w_all) * (quantization == "fp8") / (0.8 * copy_gbps(gpu) * GB)
     if algorithm == "sharded":
         stage_gpus = trainer_gpus // pp
         gather = max(_split_time(w_exp / pp * (1 - 1 / (ep * etp)), _outside_node(ep * etp, gpus_per_node), gpu),
@@ -115,13 +113,13 @@ def estimate_refit(m: ModelSpec, gpu: GPUType, gpus_per_node: int, trainer_gpus:
 
 
 def refit_lines(m: ModelSpec, gpu: GPUType, gpus_per_node: int, trainer_gpus: int, layout, rollout,
-                weight_bytes: float = 2.0, export_gbps: float | None = None) -> list[str]:
+                quantization: str = "none", export_gbps: float | None = None) -> list[str]:
     """The planner's report lines for a trainer Layout and a RolloutLayout (both algorithms)."""
     kw = dict(tp=layout.tp, pp=layout.pp, ep=layout.ep, etp=layout.etp, rollout_tp=rollout.tp,
-              rollout_dp=rollout.dp, rollout_ep=rollout.ep > 1, rollout_gpus=rollout.gpus, weight_bytes=weight_bytes,
+              rollout_dp=rollout.dp, rollout_ep=rollout.ep > 1, rollout_gpus=rollout.gpus, quantization=quantization,
               export_gbps=export_gbps)
     out = []
     for alg in ("sharded", "verl"):
         e = estimate_refit(m, gpu, gpus_per_node, trainer_gpus, algorithm=alg, **kw)
-        out.append(f"refit estimate ({'FP8' if weight_bytes < 2 else 'BF16'} rollout weights): {e.short()}")
+        out.append(f"refit estimate ({'FP8' if quantization == 'fp8' else 'BF16'} rollout weights): {e.short()}")
     return out

@@ -72,6 +72,10 @@ def verl_tree(ev, m, c, g, o) -> dict:
             r["enforce_eager"] = True
         if o.placement == "separate":
             r.update(nnodes=max(1, ro.gpus // c.gpus_per_node), n_gpus_per_node=c.gpus_per_node)
+        from dsv3_rl.launch import rollout_quantization  # the preset key's verl keys (rollout.quantization)
+        from dsv3_rl.launch.presets import deep_merge
+
+        t = deep_merge(t, rollout_quantization.verl_tree(o.rollout_quantization))
     return t
 
 
@@ -110,6 +114,15 @@ def routed_experts_text(m, g, ev) -> str:
             f"{r3.staging / 2**20:.1f} MiB int16 staging")
 
 
+def rollout_weights_text(m, ro, o) -> str:
+    """What the rollout weights are: BF16, or FP8 with the BF16 figure they replace (planner/memory.py)."""
+    if o.rollout_quantization != "fp8":
+        return "BF16"
+    from dsv3_rl.planner.memory import rollout_weight_bytes
+
+    return f"FP8 as DeepSeek's release + scales; BF16 {rollout_weight_bytes(m, ro.tp, ro.ep) / GIB:.1f}"
+
+
 def evaluation_report(ev, m, c, g, o) -> str:
     cap = c.memory_bytes
     lines = [f"layout: {ev.describe()}", f"trainer GPUs: {ev.trainer_gpus}  DP={ev.layout.dp(ev.trainer_gpus)} "
@@ -135,7 +148,8 @@ def evaluation_report(ev, m, c, g, o) -> str:
                      f"over {cv['optimizer_steps']} optimizer step(s), TP {cv['tp_per_grpo_step_gib']} GiB")
     if ev.rollout_memory:
         rm = ev.rollout_memory
-        lines.append(f"rollout per GPU: budget {rm.budget / GIB:.1f} GiB = weights {rm.weights / GIB:.1f} + activations "
+        lines.append(f"rollout per GPU: budget {rm.budget / GIB:.1f} GiB = weights {rm.weights / GIB:.1f} "
+                     f"({rollout_weights_text(m, ev.rollout, o)}) + activations "
                      f"{rm.activations / GIB:.1f} + graphs {rm.cuda_graphs / GIB:.1f} + KV {rm.kv_cache / GIB:.1f}; trainer "
                      f"leftovers {rm.trainer_resident / GIB:.1f} GiB")
         lines.append(f"rollout KV capacity: {rm.kv_tokens} tokens per engine ({rm.kv_bytes_per_token / 1024:.1f} KiB/token), "
@@ -144,7 +158,7 @@ def evaluation_report(ev, m, c, g, o) -> str:
         from dsv3_rl.planner.refit import refit_lines
 
         lines += refit_lines(m, c.gpu_type, c.gpus_per_node, ev.trainer_gpus, ev.layout, ev.rollout,
-                             o.rollout_weight_bytes)
+                             o.rollout_quantization)
     if ev.time:
         t = ev.time
         ro = f"{ev.rollout_time['total']:.0f}s" if ev.rollout_time.get("total") is not None else "-"

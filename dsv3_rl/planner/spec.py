@@ -200,8 +200,10 @@ class Options:
     """largest vLLM engine (TP * DP GPUs) searched"""
     rollout_gpu_memory_utilization: float | None = None
     """vLLM gpu_memory_utilization (default: the largest of 0.5..0.9 that fits)"""
-    rollout_weight_bytes: float = 2.0
-    """bytes per rollout weight (2 = bf16, 1 = fp8)"""
+    rollout_quantization: str = "none"
+    """[rollout.quantization] none (BF16 rollout weights) | fp8 (verl's blockwise FP8: the tensors DeepSeek's FP8
+    release keeps in FP8 cost 1 byte + fp32 128x128-block scales, the rest stays BF16;
+    :func:`dsv3_rl.planner.memory.rollout_weight_bytes`). A preset sets it with ``rollout_quantization``"""
     rollout_enforce_eager: bool = False
     rollout_max_num_batched_tokens: int = 8192
     reserve_gib: float = 5.0
@@ -246,6 +248,7 @@ class Options:
             "loss": ("verl", "fused", "megatron_ce"),
             "recompute_method": ("uniform", "block"),
             "optimizer_impl": ("fused", "torch"),
+            "rollout_quantization": tuple(_rollout_quantization_modes()),
         }
         for k, vals in allowed.items():
             if getattr(self, k) not in vals:
@@ -265,6 +268,12 @@ class Options:
         u = self.rollout_gpu_memory_utilization
         if u is not None and not 0 < u < 1:
             raise ValueError(f"options.rollout_gpu_memory_utilization must be in (0, 1) (got {u})")
+
+
+def _rollout_quantization_modes():
+    from dsv3_rl.launch.rollout_quantization import MODES  # the preset key's values: one list
+
+    return MODES
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,8 +5,8 @@ The digest is computed where the tensor lives (GPU or CPU) with integer torch op
 the tensor and no host copy, and gives the same value on every device for the same bytes: the bytes, read
 as int32 words (zero-padded to a whole word), are summed twice in int64 arithmetic (wrapping mod 2**64,
 which is exact and order-independent): plainly, and weighted by a fixed pseudo-random weight per position
-(the weight vector is one chunk long and each chunk is additionally scaled by its index, so the extra
-memory is one chunk). The dtype and shape are part of the entry. A swapped pair of tensors, a stale or
+(the weight vector is one chunk long and each chunk is additionally scaled by its index; chunks are
+processed ``BLOCK_CHUNKS`` at a time, so the extra memory is bounded and the kernel launches are few). The dtype and shape are part of the entry. A swapped pair of tensors, a stale or
 shifted bucket, a transposed or truncated tensor all change some entry; this is an integrity check against
 bugs, not a cryptographic hash.
 
@@ -30,6 +30,8 @@ from dsv3_rl.errors import Dsv3Error
 ENV = "DSV3_REFIT_MANIFEST"
 """``0`` switches the check in verl's weight sync off (verl patch 0031); on by default."""
 CHUNK_WORDS = 1 << 20
+BLOCK_CHUNKS = 16
+"""Chunks digested per kernel launch: at most 2 x 16 x 8 MiB = 256 MiB of int64 working memory."""
 _MASK = (1 << 64) - 1
 _weights: dict[torch.device, torch.Tensor] = {}
 
@@ -61,16 +63,23 @@ def _words(t: torch.Tensor) -> torch.Tensor:
 
 
 def digest(t: torch.Tensor) -> str:
-    """Deterministic 128-bit digest of T's bytes (hex), computed on T's device."""
+    """Deterministic 128-bit digest of T's bytes (hex), computed on T's device with one host sync."""
     words = _words(t)
     w = _chunk_weights(words.device)
-    plain = torch.zeros((), dtype=torch.int64, device=words.device)
-    weighted = torch.zeros((), dtype=torch.int64, device=words.device)
-    for i, start in enumerate(range(0, words.numel(), CHUNK_WORDS)):
-        c = words[start:start + CHUNK_WORDS].to(torch.int64)
-        plain += c.sum()
-        weighted += (c * w[: c.numel()]).sum() * (2 * i + 1)
-    return f"{int(plain) & _MASK:016x}{int(weighted) & _MASK:016x}"
+    acc = torch.zeros(2, dtype=torch.int64, device=words.device)  # plain, weighted
+    full = words.numel() // CHUNK_WORDS
+    for b0 in range(0, full, BLOCK_CHUNKS):  # whole chunks, BLOCK_CHUNKS at a time: few kernel launches
+        b1 = min(full, b0 + BLOCK_CHUNKS)
+        c = words[b0 * CHUNK_WORDS:b1 * CHUNK_WORDS].view(b1 - b0, CHUNK_WORDS).to(torch.int64)
+        acc[0] += c.sum()
+        scale = torch.arange(2 * b0 + 1, 2 * b1, 2, dtype=torch.int64, device=words.device)
+        acc[1] += ((c * w).sum(dim=1) * scale).sum()
+    tail = words[full * CHUNK_WORDS:].to(torch.int64)
+    if tail.numel():
+        acc[0] += tail.sum()
+        acc[1] += (tail * w[: tail.numel()]).sum() * (2 * full + 1)
+    plain, weighted = acc.tolist()
+    return f"{plain & _MASK:016x}{weighted & _MASK:016x}"
 
 
 @dataclass(frozen=True)

@@ -52,7 +52,7 @@ def test_rollout_bytes_and_export_bytes_are_the_model():
     assert s.trainer_bytes_per_gpu == pytest.approx(total / 32)
     assert s.seconds < e.seconds
     fp8 = estimate_refit(m, GPUS["H100"], 8, 512, tp=2, pp=32, ep=8, etp=1, rollout_tp=2, rollout_dp=32,
-                         rollout_ep=True, algorithm="sharded", weight_bytes=1.0)
+                         rollout_ep=True, algorithm="sharded", quantization="fp8")
     assert fp8.rollout_bytes_per_gpu < 0.55 * s.rollout_bytes_per_gpu
 
 

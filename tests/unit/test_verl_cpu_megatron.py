@@ -16,12 +16,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import megatron.core  # noqa: F401 - imported, not skipped: a missing or broken backend FAILS (`make setup` installs it)
 import pytest
+import verl  # noqa: F401 - imported, not skipped: a missing or broken backend FAILS (`make setup` installs it)
 
 from dsv3_rl.ports import free_port
-
-pytest.importorskip("verl")
-pytest.importorskip("megatron.core")
 
 WORKER = Path(__file__).with_name("verl_cpu_export_worker.py")
 REPO = Path(__file__).resolve().parents[2]
@@ -40,15 +39,16 @@ def tiny_ckpt(tmp_path_factory):
     return hf, dist
 
 
-def _export(hf, dist, tp: int, ep: int, fault: str = "") -> list[dict]:
-    nproc = max(tp, ep)
+def _export(hf, dist, tp: int, ep: int, fault: str = "", pp: int = 1) -> list[dict]:
+    nproc = max(tp, ep) * pp
     # NVTE_*: megatron's GPTModel writes them into os.environ (an in-process model elsewhere in the session
     # leaves NVTE_FLASH_ATTN=1), and the local attention backend of these workers refuses them
     from dsv3_rl.launch.run import TE_ATTENTION_ENV
 
     drop = ("RANK", "WORLD_SIZE", "MASTER_PORT", "LOCAL_RANK", *TE_ATTENTION_ENV)
     env = {k: v for k, v in os.environ.items() if k not in drop}
-    env.update(VERL_PLATFORM="cpu", OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", TORCHDYNAMO_DISABLE="1")
+    env.update(VERL_PLATFORM="cpu", OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", TORCHDYNAMO_DISABLE="1",
+               EXPORT_PP=str(pp))
     # an explicit free port: with --master-port=0 the workers are told MASTER_PORT=0 and wait forever
     # for torchrun's agent store (torch 2.13)
     port = free_port()
@@ -84,6 +84,27 @@ def test_export_planted_fault_swapped_experts(tiny_ckpt):
     wrong = results[0]["wrong"]
     assert results[0]["n_wrong"] == 4, results[0]  # gate and up of experts 0 and 1
     assert all(".mlp.experts.0." in n or ".mlp.experts.1." in n for n in wrong), wrong
+
+
+def test_export_pp2_equals_hf_with_one_exchange(tiny_ckpt):
+    """verl patch 0035: at PP2 every exported tensor still equals the HF checkpoint's, and names and specs are
+    exchanged once per export (one object all-gather of verl's meta_info), not per tensor (verl 0.9.1: two
+    all_gather_object + one broadcast_object_list per tensor); each tensor costs one broadcast."""
+    results = _export(*tiny_ckpt, tp=1, ep=1, pp=2)
+    _assert_exact(results)
+    for r in results:
+        assert r["collectives"]["all_gather_object"] == 1 and r["collectives"]["broadcast_object_list"] == 0, r
+        assert r["collectives"]["broadcast"] >= r["n"] // 4, r  # the weights still travel between the stages
+
+
+def test_export_pp2_planted_faults(tiny_ckpt):
+    """Twins: swapped experts on PP stage 0 are seen in the PP2 export, and one call of verl's per-tensor name
+    exchange is seen by the collective counter."""
+    results = _export(*tiny_ckpt, tp=1, ep=1, fault="swap_experts", pp=2)
+    assert all(r["n_wrong"] == 4 for r in results), results
+    results = _export(*tiny_ckpt, tp=1, ep=1, fault="per_tensor_exchange", pp=2)
+    assert all(r["collectives"]["all_gather_object"] == 2 and r["collectives"]["broadcast_object_list"] == 1
+               for r in results), results
 
 
 def _bshd(hf, dist, tp: int, mode: str) -> list[dict]:

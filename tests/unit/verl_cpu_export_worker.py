@@ -7,6 +7,9 @@ verl's ``per_tensor_generator`` (what the trainer sends to vLLM) and compares th
 with the HF safetensors the checkpoint was converted from. Prints one JSON line (rank 0).
 
     torchrun --nproc-per-node N verl_cpu_export_worker.py HF_DIR DIST_DIR TP EP [FAULT]
+
+``EXPORT_PP=2`` in the environment adds pipeline stages (N = PP x max(TP, EP)); the result then counts the
+object collectives (``all_gather_object`` / ``broadcast_object_list``) and tensor broadcasts the export made.
 """
 
 import json
@@ -30,8 +33,9 @@ def main():
     from verl.utils.megatron_utils import McoreModuleWrapperConfig, make_megatron_module, per_tensor_generator
     from verl.utils.model import load_mcore_dist_weights
 
+    pp = int(os.environ.get("EXPORT_PP", "1"))
     mpu.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
-                                  expert_tensor_parallel_size=1)
+                                  expert_tensor_parallel_size=1, pipeline_model_parallel_size=pp)
     model_parallel_cuda_manual_seed(0)
     hf = AutoConfig.from_pretrained(hf_dir)
     cpu = dict(attention_backend="local", use_cpu_initialization=True, moe_grouped_gemm=False,
@@ -47,7 +51,8 @@ def main():
     module, tf = make_megatron_module(McoreModuleWrapperConfig(wrap_with_ddp=False), tf, hf)
     te_modules = sorted({type(m).__name__ for m in module[0].modules() if type(m).__name__.startswith("TE")})
     load_mcore_dist_weights(module, dist_dir)
-    if fault == "swap_experts":  # planted fault: two routed experts of the first MoE layer trade weights
+    if fault == "swap_experts" and mpu.get_pipeline_model_parallel_rank() == 0:
+        # planted fault: two routed experts of the first MoE layer trade weights
         from verl.utils.megatron_utils import unwrap_model
 
         experts = unwrap_model(module[0]).decoder.layers[1].mlp.experts.local_experts
@@ -61,7 +66,29 @@ def main():
         return
     conv = MODEL_WEIGHT_CONVERTER_REGISTRY[get_supported_model(hf.architectures[0])](hf, tf)
     mapping = {"qkv_layer_name": "self_attention.linear_qkv.", "gate_proj_layer_name": "linear_fc1."}
-    exported = {n: t.detach().to(torch.bfloat16) for n, t in per_tensor_generator(module, hf, conv, tf, mapping)}
+    calls = {"all_gather_object": 0, "broadcast_object_list": 0, "broadcast": 0}
+    dist = torch.distributed
+    originals = {fn: getattr(dist, fn) for fn in calls}
+
+    def counted(fn):
+        def call(*a, **k):
+            calls[fn] += 1
+            return originals[fn](*a, **k)
+        return call
+
+    for fn in calls:
+        setattr(dist, fn, counted(fn))
+    try:
+        exported = {n: t.detach().to(torch.bfloat16) for n, t in per_tensor_generator(module, hf, conv, tf, mapping)}
+        n_exported = dict(calls)
+        if fault == "per_tensor_exchange":  # the counter's twin: verl's per-tensor helpers, once, are seen
+            from verl.utils.megatron_utils import broadcast_str_from_megatron_pp
+
+            broadcast_str_from_megatron_pp("decoder.final_layernorm.weight" if mpu.is_pipeline_last_stage() else None)
+            n_exported = dict(calls)
+    finally:
+        for fn, f in originals.items():
+            setattr(dist, fn, f)
     ref = {}
     for f in sorted(os.listdir(hf_dir)):
         if f.endswith(".safetensors"):
@@ -71,7 +98,8 @@ def main():
     wrong = sorted(n for n in set(ref) & set(exported)
                    if ref[n].shape != exported[n].shape or not torch.equal(ref[n].to(torch.bfloat16), exported[n]))
     result = {"rank": torch.distributed.get_rank(), "n": len(exported), "missing": missing[:5], "extra": extra[:5],
-              "wrong": wrong[:10], "n_wrong": len(wrong), "te_modules": te_modules}
+              "wrong": wrong[:10], "n_wrong": len(wrong), "te_modules": te_modules,
+              "collectives": n_exported}
     results = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(results, result)
     if torch.distributed.get_rank() == 0:
