@@ -266,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, help="write all results here")
     args = p.parse_args(argv)
 
-    from dsv3_rl.models.mini_model import _parse_set, write_mini_model
+    from dsv3_rl.cliargs import parse_set
+    from dsv3_rl.models.mini_model import write_mini_model
 
     devices = (["cpu"] + (["cuda"] if torch.cuda.is_available() else [])) if args.devices == "auto" \
         else args.devices.split(",")
@@ -300,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
             src = args.input
             if src is None:
                 src = work / "fp8"
-                overrides = _parse_set(args.set if args.set is not None else ["vocab_size=2048"])
+                overrides = parse_set(args.set if args.set is not None else ["vocab_size=2048"])
                 t0 = time.perf_counter()
                 if not (src / "model.safetensors.index.json").exists():
                     write_mini_model(args.preset, src, fmt="fp8-release", shards=args.shards, overrides=overrides,

@@ -93,12 +93,12 @@ def build(args, dev: torch.device):
     from megatron.core.transformer.enums import AttnBackend
 
     from dsv3_rl.convert.config_map import Parallel
+    from dsv3_rl.cliargs import parse_set
     from dsv3_rl.mcore import runtime
     from dsv3_rl.models import presets
-    from dsv3_rl.models.mini_model import _parse_set
 
     try:
-        hf = presets.hf_config(args.preset, _parse_set(args.set or []))
+        hf = presets.hf_config(args.preset, parse_set(args.set or []))
     except (KeyError, ValueError) as e:
         raise Dsv3Error(f"--model/--set: {e.args[0]}") from None
     runtime.init_distributed(Parallel())
@@ -168,11 +168,11 @@ def run_export(v, hf, chunks, dev, bucket_bytes: int, iters: int, fp8: bool, man
         del buffer
         if it == 0:
             if fp8:  # the set and layout of what verl hands to vLLM vs DeepSeek's FP8 release
+                from dsv3_rl.cliargs import parse_set
                 from dsv3_rl.models import presets
-                from dsv3_rl.models.mini_model import _parse_set
                 from dsv3_rl.refit.fp8_layout import layout_differences, reference_layout, stream_layout
 
-                cfg = presets.preset_kwargs(preset, _parse_set(overrides))
+                cfg = presets.preset_kwargs(preset, parse_set(overrides))
                 diffs = layout_differences(reference_layout(cfg), stream_layout(layout.items()), limit=0,
                                            float_equivalent=True)
                 result["fp8_layout_differences"] = len(diffs)

@@ -6,6 +6,7 @@
 * :func:`add_layout` / :func:`layout`: one ``--layout tp=..,pp=..,ep=..`` syntax, parsed by
   :meth:`dsv3_rl.layout.Layout.parse`;
 * :func:`one_path`: an output (or input) given positionally or by flag, not both differently;
+* :func:`parse_set`: repeated ``--set KEY=VALUE`` (values parsed as JSON where they are JSON) as a dict;
 * :func:`usage_errors`: a ``ValueError``/``KeyError`` about the input becomes a :class:`UsageError`, so the
   ``cli_main`` wrapper prints it as one ``error: ...`` line (exit 2); no tool prints ``error:`` itself.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 from collections.abc import Iterator
 
@@ -67,6 +69,21 @@ def add_layout(parser: argparse.ArgumentParser, default: str | None = "tp=1", he
     return parser.add_argument("--layout", type=layout, default=None if default is None else Layout.parse(default),
                                metavar="tp=..,pp=..,ep=..", help=f"{help} ({text}; default {default})" if help
                                else f"{text}; default {default}")
+
+
+def parse_set(items: list[str] | None, flag: str = "--set") -> dict:
+    """``["a=1", "b=x"]`` -> ``{"a": 1, "b": "x"}``: each value parsed as JSON where it is JSON, else kept as
+    text; an item without ``=`` is a UsageError naming it."""
+    out = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise UsageError(f"{flag} {item!r}: expected KEY=VALUE")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
 
 
 def one_path(pos_name: str, pos: str | None, flag_name: str, flag: str | None) -> str:

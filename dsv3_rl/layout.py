@@ -81,6 +81,13 @@ class Layout:
     def vpp_(self) -> int:
         return self.vpp or 1
 
+    def mcore_sizes(self) -> dict[str, int | None]:
+        """The parallel sizes under megatron-core's names, as both ``TransformerConfig`` and
+        ``parallel_state.initialize_model_parallel`` take them."""
+        return dict(tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp,
+                    virtual_pipeline_model_parallel_size=self.vpp, context_parallel_size=self.cp,
+                    expert_model_parallel_size=self.ep, expert_tensor_parallel_size=self.etp_)
+
     def dp(self, world: int) -> int:
         """Data-parallel size of the dense (attention) part on WORLD ranks; 0 when it does not divide."""
         mp = self.tp * self.pp * self.cp

@@ -16,8 +16,12 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/gpu}
 mkdir -p "$OUT"
-# Wheels carried in .whl/ (e.g. transformers 5.10.4 + tokenizers 0.22.2: the versions verl 0.9.1
-# accepts and the CPU suite uses, instead of the box's newer transformers) go first on the path.
+# Wheels carried in .whl/ go first on the path. The package imports pydantic (preset and backends.lock
+# schemas; tests/conftest.py reaches it through dsv3_rl.launch), which the box lacks: fetch it once with
+#   pip download --dest .whl --only-binary :all: --python-version 3.12 --implementation cp \
+#     --platform manylinux2014_x86_64 pydantic && rm .whl/typing_extensions-*
+# and carry .whl (about 3 MB). Optional: transformers 5.10.4 + tokenizers 0.22.2 (the versions verl 0.9.1
+# accepts and the CPU suite uses, instead of the box's newer transformers).
 SITE=""
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && SITE=/tmp/site

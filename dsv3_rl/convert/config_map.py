@@ -242,12 +242,7 @@ def hf_to_mcore_kwargs(
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
         # parallelism
-        tensor_model_parallel_size=parallel.tp,
-        pipeline_model_parallel_size=parallel.pp,
-        virtual_pipeline_model_parallel_size=parallel.vpp,
-        context_parallel_size=parallel.cp,
-        expert_model_parallel_size=parallel.ep,
-        expert_tensor_parallel_size=parallel.etp_,
+        **parallel.mcore_sizes(),
         sequence_parallel=sp,
         # megatron-core's default batched p2p sends and receives both directions in one
         # batch_isend_irecv; at PP=2 with VPP both peers are the same rank, forward and backward

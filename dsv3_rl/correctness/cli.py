@@ -21,7 +21,7 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from dsv3_rl.cliargs import UsageError, usage_errors
+from dsv3_rl.cliargs import parse_set, usage_errors
 from dsv3_rl.errors import cli_main
 
 if TYPE_CHECKING:
@@ -65,22 +65,7 @@ def options_from(args: argparse.Namespace, layouts_list: list) -> Options:
                    seq_length=args.seq_length, micro_batch_size=args.micro_batch_size, seed=args.seed,
                    fault=args.plant_fault, reference=args.reference, work=args.work, keep_work=args.keep_work,
                    debug=args.debug, json_out=args.json_out, weights=args.weights, preset=args.preset,
-                   preset_overrides=_parse_set(args.preset_set), calibrate=args.calibrate)
-
-
-def _parse_set(items: list[str]) -> dict:
-    import json
-
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise UsageError(f"--set {item!r}: expected KEY=VALUE")
-        try:
-            out[key] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key] = value
-    return out
+                   preset_overrides=parse_set(args.preset_set), calibrate=args.calibrate)
 
 
 def quiet() -> None:

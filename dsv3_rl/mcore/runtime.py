@@ -50,14 +50,7 @@ def init_distributed(parallel: Parallel, seed: int = 1234, timeout_s: int = 600)
     if world % expert_parallel:
         raise ValueError(f"world size {world} is not divisible by EP*ETP*PP = {parallel.ep}*{parallel.etp_}*{parallel.pp}")
     ps.destroy_model_parallel()
-    ps.initialize_model_parallel(
-        tensor_model_parallel_size=parallel.tp,
-        pipeline_model_parallel_size=parallel.pp,
-        virtual_pipeline_model_parallel_size=parallel.vpp,
-        context_parallel_size=parallel.cp,
-        expert_model_parallel_size=parallel.ep,
-        expert_tensor_parallel_size=parallel.etp_,
-    )
+    ps.initialize_model_parallel(**parallel.mcore_sizes())
     model_parallel_cuda_manual_seed(seed)
 
 

@@ -51,7 +51,7 @@ import torch
 from . import presets
 from .tokenizer import copy_tokenizer_files
 
-from dsv3_rl.cliargs import UsageError, add_force, add_out, one_path, usage_errors
+from dsv3_rl.cliargs import UsageError, add_force, add_out, one_path, parse_set, usage_errors
 from dsv3_rl.errors import cli_main
 from dsv3_rl.fs import replace_dir
 
@@ -346,19 +346,6 @@ def _write(name: str, kwargs: dict[str, Any], tmp: Path, seed: int, dtype: str, 
         _write_shards(tmp, units, write, files)
 
 
-def _parse_set(items: list[str]) -> dict[str, Any]:
-    result = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"--set {item!r}: expected key=value")
-        try:
-            result[key] = json.loads(value)
-        except json.JSONDecodeError:
-            result[key] = value
-    return result
-
-
 @cli_main
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="dsv3-mini-model",
@@ -389,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
         raise UsageError("--model PRESET and --out OUT_DIR are required (or --list)")
     with usage_errors(KeyError, ValueError, FileExistsError):
         out = write_mini_model(preset, out_dir, seed=args.seed, dtype=args.dtype, fmt=args.fmt,
-                               shards=args.shards, overrides=_parse_set(args.set), overwrite=args.force)
+                               shards=args.shards, overrides=parse_set(args.set), overwrite=args.force)
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
     kind = "FP8 e4m3 blocks + fp32 scale_inv, rest bf16" if args.fmt == "fp8-release" else args.dtype
     print(f"wrote {presets.resolve(preset)} ({args.fmt}: {kind}) to {out}: {size / 1e6:.1f} MB")

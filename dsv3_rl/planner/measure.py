@@ -50,9 +50,15 @@ import sys
 import time
 import weakref
 from pathlib import Path
+
 from dsv3_rl.cliargs import UsageError
-from dsv3_rl.errors import cli_main
+from dsv3_rl.errors import Dsv3Error, cli_main
 from dsv3_rl.fs import write_text_atomic
+
+
+class MeasureError(Dsv3Error, RuntimeError):
+    """A measured configuration failed in its own process (the message says how to rerun it alone)."""
+
 
 # --- configs ---------------------------------------------------------------------------------
 
@@ -525,7 +531,7 @@ def _measure_isolated(cfgs, args, device: str = "cuda") -> list:
             env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
             proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env)
             if proc.returncode != 0 or not out.exists():
-                raise SystemExit(f"error: config {c['name']!r} failed in its process (exit {proc.returncode}); "
+                raise MeasureError(f"config {c['name']!r} failed in its process (exit {proc.returncode}); "
                                  f"rerun it alone: python {' '.join(cmd[1:-2])}")
             row = json.loads(out.read_text().splitlines()[0])
             rows.append(row)

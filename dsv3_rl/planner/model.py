@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 from pathlib import Path
 from typing import Any
 
@@ -216,14 +215,9 @@ def load_model(model: Any) -> ModelSpec:
         if p.is_dir():
             p = p / "config.json"
         if p.suffix == ".json" or p.exists():
-            if not p.exists():
-                raise FileNotFoundError(f"model config {p} does not exist")
-            try:
-                cfg = json.loads(p.read_text())
-            except json.JSONDecodeError as e:
-                raise ValueError(f"model config {p} is not valid JSON: {e}") from e
-            from dsv3_rl.checkpoint.hf_config import validate_config
+            from dsv3_rl.checkpoint.hf_config import load_config, validate_config
 
+            cfg = load_config(p, family=False)  # ConfigError naming the file: missing, not JSON, not an object
             validate_config(cfg, str(p), require=False)  # ConfigError (a ValueError) naming the key
             return ModelSpec.from_hf(cfg, name=str(model))
         spec = ModelSpec.from_hf(_preset_config(str(model)), name=str(model))

@@ -61,3 +61,30 @@ def test_converter_reads_the_derived_sizes():
     assert kw["expert_tensor_parallel_size"] == 2 and kw["sequence_parallel"] is True
     kw = hf_to_mcore_kwargs(cfg, Layout(tp=2, etp=1, sp=False))
     assert kw["expert_tensor_parallel_size"] == 1 and kw["sequence_parallel"] is False
+
+
+def _megatron_takes(sizes: dict) -> list[str]:
+    """Keys of SIZES that megatron-core's initialize_model_parallel or TransformerConfig does not take."""
+    import inspect
+
+    from megatron.core import parallel_state
+    from megatron.core.transformer import TransformerConfig
+
+    init = set(inspect.signature(parallel_state.initialize_model_parallel).parameters)
+    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+    return [k for k in sizes if k not in init or k not in fields]
+
+
+def test_mcore_sizes_are_megatron_names():
+    """One mapping of a layout to megatron-core's size arguments, for both of its APIs (runtime and converter)."""
+    sizes = Layout(tp=2, pp=3, vpp=2, ep=4, cp=1).mcore_sizes()
+    assert _megatron_takes(sizes) == []
+    assert sizes["tensor_model_parallel_size"] == 2 and sizes["pipeline_model_parallel_size"] == 3
+    assert sizes["virtual_pipeline_model_parallel_size"] == 2 and sizes["expert_model_parallel_size"] == 4
+    assert sizes["expert_tensor_parallel_size"] == 2  # etp unset: megatron's default, TP
+    assert Layout(tp=2, etp=1).mcore_sizes()["expert_tensor_parallel_size"] == 1
+
+
+def test_mcore_sizes_check_bites():
+    """Twin: a misspelt megatron argument is reported."""
+    assert _megatron_takes({"tensor_parallel_size": 2, "expert_model_parallel_size": 1}) == ["tensor_parallel_size"]

@@ -69,8 +69,13 @@ def test_load_model_sources(tmp_path):
         load_model("nope")
     with pytest.raises(ValueError, match="lacks required key"):
         load_model({"hidden_size": 8})
-    with pytest.raises(FileNotFoundError):
+    from dsv3_rl.checkpoint.hf_config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"missing\.json: not found \(HF config\)"):
         load_model(str(tmp_path / "missing.json"))
+    (tmp_path / "broken.json").write_text("{")
+    with pytest.raises(ConfigError, match=r"broken\.json: not valid JSON"):
+        load_model(str(tmp_path / "broken.json"))
 
 
 def test_model_presets_are_the_only_source(monkeypatch):
