@@ -356,7 +356,7 @@ def _tp1_export_storage(monkeypatch, cat_always_copies: bool) -> tuple[int, int]
     monkeypatch.syspath_prepend(str(BENCH.parent))
     import bench_refit
 
-    v = verl_export.load(light=True)
+    v = verl_export.load()  # the real verl package, as the rest of this process imports it
     mu = verl_export.import_module("verl.utils.megatron_utils")
     if cat_always_copies:  # planted fault: verl 0.9.1's torch.cat of a one-element list (a full copy)
         monkeypatch.setattr(mu, "_cat", lambda tensors, dim: torch.cat(tensors, dim=dim))
