@@ -127,6 +127,16 @@ def run_export(v, hf, chunks, dev, bucket_bytes: int, iters: int, fp8: bool, man
     best = None
     by_dtype: dict[str, list[int]] = {}
     layout: dict[str, torch.Tensor] = {}
+
+    def count(stream):  # bookkeeping, on the warm-up pass only
+        for name, t in stream:
+            if fp8:
+                layout[name] = t.new_empty(t.shape, device="meta")
+            c = by_dtype.setdefault(str(t.dtype).removeprefix("torch."), [0, 0])
+            c[0] += t.numel()
+            c[1] += t.nbytes
+            yield name, t
+
     for it in range(iters + 1):  # the first pass warms up (allocator, Triton compile) and is not counted
         _sync(dev)
         if dev.type == "cuda":
@@ -146,15 +156,6 @@ def run_export(v, hf, chunks, dev, bucket_bytes: int, iters: int, fp8: bool, man
             if sent is not None:  # the receiver's check, over what is in the bucket now
                 for name, t in bucket.tensors(buf):
                     sent.check(name, t)
-
-        def count(stream, by_dtype=by_dtype, layout=layout):  # bookkeeping on the warm-up pass only
-            for name, t in stream:
-                if fp8:
-                    layout[name] = t.new_empty(t.shape, device="meta")
-                c = by_dtype.setdefault(str(t.dtype).removeprefix("torch."), [0, 0])
-                c[0] += t.numel()
-                c[1] += t.nbytes
-                yield name, t
 
         stream = export_stream(v, hf, chunks, fp8)
         if it == 0:
