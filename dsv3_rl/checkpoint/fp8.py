@@ -48,8 +48,8 @@ from . import fp8_kernels as K
 # FP8_WEIGHT_RE: the linear weights DeepSeek ships in FP8 (not: embeddings, lm_head, norms, router gate, eh_proj).
 from .hf_config import (BIAS_SUFFIX, FP8_WEIGHT_RE, ConfigError, check_family, check_tensor_dtypes, fix_config,
                         load_config)
-from .manifest import FP8_TOOL, MANIFEST, manifest_path, read_manifest, write_manifest
-from .manifest import NAMES as MANIFEST_NAMES
+from .outputs import FP8_TOOL, MANIFEST, manifest_path, read_manifest, write_manifest
+from .outputs import NAMES as MANIFEST_NAMES
 from .safetensors_io import (Header, SafetensorsError, ShardWriter, TensorInfo, itemsize, pread_exact, read_header,
                              read_tensor)
 from dsv3_rl.cliargs import add_force, add_out, one_path

@@ -34,8 +34,8 @@ import torch
 
 from . import mcore_ckpt
 from dsv3_rl.checkpoint.hf_config import ConfigError, check_family, check_tensor_dtypes, load_config
-from dsv3_rl.checkpoint.manifest import CONVERT_TOOL, MANIFEST, manifest_path, read_manifest, write_manifest
-from dsv3_rl.checkpoint.manifest import NAMES as MANIFEST_NAMES
+from dsv3_rl.checkpoint.outputs import CONVERT_TOOL, MANIFEST, manifest_path, read_manifest, write_manifest
+from dsv3_rl.checkpoint.outputs import NAMES as MANIFEST_NAMES
 from dsv3_rl.checkpoint.safetensors_io import (CheckpointFormatError, HFReader, read_header, shard_names, st_dtype,
                                               write_shard)
 from dsv3_rl.errors import Dsv3Error, check_space, describe_oserror

@@ -30,7 +30,7 @@ from pathlib import Path
 from collections.abc import Callable
 from dsv3_rl.errors import Dsv3Error
 
-from dsv3_rl.checkpoint.manifest import CONVERT_TOOL, FP8_TOOL, MANIFEST, read_manifest
+from dsv3_rl.checkpoint.outputs import CONVERT_TOOL, FP8_TOOL, MANIFEST, read_manifest
 from dsv3_rl.fs import write_json_atomic
 
 

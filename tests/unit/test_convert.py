@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from dsv3_rl.backends import load_lock
-from dsv3_rl.checkpoint.manifest import CONVERT_TOOL, MANIFEST
+from dsv3_rl.checkpoint.outputs import CONVERT_TOOL, MANIFEST
 from dsv3_rl.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from dsv3_rl import fs
-from dsv3_rl.checkpoint import manifest as mf
+from dsv3_rl.checkpoint import outputs as mf
 from dsv3_rl.errors import Dsv3Error
 
 

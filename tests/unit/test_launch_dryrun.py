@@ -16,7 +16,7 @@ import pytest
 
 from dsv3_rl.launch import run as launch_run
 from dsv3_rl.launch.presets import REPO, list_presets, load_preset
-from dsv3_rl.checkpoint.manifest import CONVERT_TOOL, MANIFEST, write_manifest
+from dsv3_rl.checkpoint.outputs import CONVERT_TOOL, MANIFEST, write_manifest
 from dsv3_rl.launch.verl_config import VerlConfigError
 
 pytestmark = pytest.mark.slow  # imports verl + megatron-core once (~20 s), then a few seconds per preset

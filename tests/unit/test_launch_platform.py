@@ -172,7 +172,7 @@ def test_stage_failure_and_unverified_output_are_errors(tmp_path):
 
 def test_fp8_and_convert_stages_trust_the_tools_manifests(tmp_path):
     from dsv3_rl.launch.run import Paths
-    from dsv3_rl.checkpoint.manifest import CONVERT_TOOL, FP8_TOOL, write_manifest
+    from dsv3_rl.checkpoint.outputs import CONVERT_TOOL, FP8_TOOL, write_manifest
     from dsv3_rl.launch.stages import build_stages
 
     p = load_preset("671b_512xH100")
