@@ -8,12 +8,14 @@ export TORCHDYNAMO_DISABLE ?= 1
 export PYTHONUNBUFFERED := 1
 
 .PHONY: help setup setup-gpu backends apply-patches check-patches revert-patches patch-status patch-diff \
-        patches-table lint-patches test test-backends test-gpu demo clean-backends
+        patches-table lint-patches test test-fast test-slow test-backends test-gpu demo clean-backends
 
 help:
 	@echo "make setup          .venv + torch + patched backends (editable) + deps + this package"
 	@echo "make demo           GRPO that learns: the launcher's tiny_cpu preset (warm-started tiny DeepSeek-V3, CPU ok)"
-	@echo "make test           CPU test suite (the README's test command)"
+	@echo "make test           CPU test suite (the README's test command): test-fast, then test-slow"
+	@echo "make test-fast      the tests not marked slow, on both cores (pytest-xdist); the developer loop"
+	@echo "make test-slow      the slow tests (incl. the e2e GRPO runs), one at a time"
 	@echo "make test-backends  verl's own *_on_cpu tests against the patched tree"
 	@echo "make test-gpu       GPU suite (tests/gpu), needs CUDA"
 	@echo "make backends | apply-patches | check-patches | revert-patches | patch-status | patch-diff | patches-table"
@@ -60,8 +62,23 @@ lint-patches:
 	$(PATCH_PY) lint
 	$(PATCH_PY) table --check
 
+# The CPU suite (docs: README "Tests", CONTRIBUTING.md "Markers"). Fast tests run on both cores (pytest-xdist,
+# one file per worker: a file's module fixtures are built once); `slow` ones (> ~30 s, incl. the `e2e` GRPO runs,
+# which use both cores themselves) run one at a time after them. `make test` runs both phases, the second also
+# when the first failed, and fails when either did; each phase lists its 15 slowest tests.
+PYTEST := $(PY) -m pytest tests/unit -q --durations=15
+XDIST  ?= -n 2 --dist loadfile
 test: $(STAMP)
-	$(PY) -m pytest tests/unit -q
+	@rc=0; \
+	echo "[test] fast tests (-m 'not slow', $(XDIST))"; $(PYTEST) -m "not slow" $(XDIST) || rc=$$?; \
+	echo "[test] slow tests (-m slow, one at a time)"; $(PYTEST) -m slow || rc=$$(( rc ? rc : $$? )); \
+	exit $$rc
+
+test-fast: $(STAMP)
+	$(PYTEST) -m "not slow" $(XDIST)
+
+test-slow: $(STAMP)
+	$(PYTEST) -m slow
 
 test-backends: $(STAMP)
 	bash scripts/test_backends.sh

@@ -42,6 +42,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo, when run from a bare checkout
 
+from dsv3_rl.cliargs import positive_int  # noqa: E402
 from dsv3_rl.errors import Dsv3Error, cli_main  # noqa: E402
 from dsv3_rl.fs import write_json_atomic  # noqa: E402
 
@@ -89,18 +90,23 @@ def _sync_iter(agen):
         loop.close()
 
 
-def build(args, dev: torch.device):
-    from megatron.core.transformer.enums import AttnBackend
-
-    from dsv3_rl.convert.config_map import Parallel
+def model_config(args):
+    """The HF config of ``--model`` with ``--set`` (validated: an unknown key or an unusable value is refused)."""
     from dsv3_rl.cliargs import parse_set
-    from dsv3_rl.mcore import runtime
     from dsv3_rl.models import presets
 
     try:
-        hf = presets.hf_config(args.preset, parse_set(args.set or []))
+        return presets.hf_config(args.preset, parse_set(args.set or []))
     except (KeyError, ValueError) as e:
         raise Dsv3Error(f"--model/--set: {e.args[0]}") from None
+
+
+def build(hf, dev: torch.device):
+    from megatron.core.transformer.enums import AttnBackend
+
+    from dsv3_rl.convert.config_map import Parallel
+    from dsv3_rl.mcore import runtime
+
     runtime.init_distributed(Parallel())
     overrides = {"attention_backend": AttnBackend.local}
     if dev.type == "cuda":
@@ -205,17 +211,29 @@ def fp8_kernel(v, dev: torch.device, shape: tuple[int, int], iters: int, copy_Bp
             "ratio_to_copy": (moved / s) / (2 * copy_Bps)}  # copy moves 2 bytes (read + write) per byte copied
 
 
+def _shape(text: str) -> tuple[int, int]:
+    """argparse ``type=`` of ``--kernel-shape``: ``M,N``, both integers >= 1."""
+    parts = text.split(",")
+    try:
+        if len(parts) != 2:
+            raise argparse.ArgumentTypeError(text)
+        return positive_int(parts[0]), positive_int(parts[1])
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not M,N (two integers >= 1)") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", dest="preset", default=None, help="model preset (default: proxy on GPU, tiny on CPU)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="preset override (repeatable)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    p.add_argument("--bucket-mb", type=int, default=None,
-                   help="bucket size in MiB (default: verl's 2048 on GPU, 64 on CPU)")
-    p.add_argument("--iters", type=int, default=10, help="timed export passes after one warm-up (best is reported)")
+    p.add_argument("--bucket-mb", type=positive_int, default=None,
+                   help="bucket size in MiB, >= 1 (default: verl's 2048 on GPU, 64 on CPU)")
+    p.add_argument("--iters", type=positive_int, default=10,
+                   help="timed export passes after one warm-up, >= 1 (best is reported)")
     p.add_argument("--manifest", action="store_true", help="also time the export with the checksum manifest")
     p.add_argument("--fp8", action="store_true", help="also time the FP8 export and the quantize kernel")
-    p.add_argument("--kernel-shape", default="16384,16384", help="M,N of the FP8 kernel measurement")
+    p.add_argument("--kernel-shape", type=_shape, default="16384,16384", help="M,N of the FP8 kernel measurement")
     p.add_argument("--json", type=Path, help="write all numbers here")
     args = p.parse_args(argv)
 
@@ -227,14 +245,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.set_device(0)
         dev = torch.device("cuda", 0)
     args.preset = args.preset or ("proxy" if dev.type == "cuda" else "tiny")
-    bucket_bytes = (args.bucket_mb or (2048 if dev.type == "cuda" else 64)) << 20
-    if bucket_bytes <= 0:
-        raise Dsv3Error(f"--bucket-mb {args.bucket_mb}: must be > 0")
-    try:
-        kshape = tuple(int(x) for x in args.kernel_shape.split(","))
-        assert len(kshape) == 2
-    except (ValueError, AssertionError):
-        raise Dsv3Error(f"--kernel-shape {args.kernel_shape!r}: expected M,N") from None
+    hf = model_config(args)  # before anything heavy is imported or built
+    bucket_bytes = (2048 if dev.type == "cuda" else 64) << 20 if args.bucket_mb is None else args.bucket_mb << 20
+    kshape = args.kernel_shape
 
     if dev.type == "cpu":
         os.environ.setdefault("VERL_PLATFORM", "cpu")  # verl's device helpers: cpu, not "nvidia, unavailable"
@@ -245,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     from dsv3_rl.refit import verl_export
 
     v = verl_export.load(light=True)  # no Ray: the GPU box has none
-    hf, chunks = build(args, dev)
+    hf, chunks = build(hf, dev)
     try:
         params = sum(t.numel() for t in chunks[0].parameters())
         copy_Bps = copy_bandwidth(dev, min(bucket_bytes, 1 << 30), max(args.iters, 3))

@@ -1,9 +1,11 @@
 #!/usr/bin/env python
 """One training step (forward + backward) of a DeepSeek-V3-shaped proxy: megatron-core's
-Transformer-Engine-free fast path (patches 0012 SDPA attention, 0013 grouped-GEMM experts) against
-transformers' DeepseekV3ForCausalLM (sdpa), same config, same tokens, bf16, in one process.
+Transformer-Engine-free fast path (patches 0012 SDPA attention, 0013 grouped-GEMM experts) and its
+Transformer Engine spec against transformers' DeepseekV3ForCausalLM (sdpa), same config, same tokens,
+bf16, in one process.
 
     python bench/bench_train_step.py --grouped auto,off               # 1 GPU: transformers vs megatron-core
+    python bench/bench_train_step.py --spec te,local                  # 1 GPU: TE spec vs local spec vs transformers
     torchrun --nproc-per-node 2 bench/bench_train_step.py --layout tp=2,etp=1 --layout ep=2,etp=1
                           # megatron TP2 (+SP) and EP2 (DP2 for dense params); transformers on rank 0
     python bench/bench_train_step.py --cpu-smoke                      # tiny preset, 64 tokens, CPU: code path only
@@ -11,6 +13,13 @@ transformers' DeepseekV3ForCausalLM (sdpa), same config, same tokens, bf16, in o
 The proxy (``--model proxy``, dsv3_rl/models/presets.py): DeepSeek-V3's real layer dims (hidden
 7168, 128 heads, MLA q/k 192 / v 128, vocab 129280, yarn rope), 4 layers (1 dense + 3 MoE),
 16 routed experts top-8 (group-limited 8/4) + 1 shared, 5.2B parameters.
+
+``--spec`` picks megatron-core's layer spec (comma list, each run in turn): ``te`` (Transformer Engine
+modules: TELayerNormColumnParallelLinear, TEDotProductAttention with the backend TE selects, TEGroupedMLP
+experts), ``local`` (the TE-free path as it runs on a machine without TE: SDPA attention and grouped-GEMM
+experts are forced on when TE is installed, since megatron would otherwise pick its unfused/loop paths), or
+``auto`` (te when Transformer Engine is installed, else local; the default). With CUDA the one-cuDNN check
+(dsv3_rl.mcore.te_env) runs before any GPU work: a second cuDNN (TE's) beside torch's is one error line.
 
 Each engine: build (random init on the GPU), ``--warmup`` steps (first one compiles megatron's
 jit-fused kernels and picks the SDPA/grouped-GEMM kernels), then ``--iters`` timed steps, each
@@ -59,6 +68,7 @@ def parse_args(argv=None):
                     help="a megatron layout to run in this process (repeatable; dsv3_rl.layout.Layout fields: tp, ep, "
                          "etp, ...; default tp=1,etp=1)")
     ap.add_argument("--grouped", default="auto", help="moe_sequential_grouped_mm variants: comma list of auto,on,off")
+    ap.add_argument("--spec", default="auto", help="megatron layer spec(s): comma list of auto, te, local")
     ap.add_argument("--attention-backend", default="auto", help="megatron attention_backend (auto: SDPA without TE)")
     ap.add_argument("--no-fusions", action="store_true", help="megatron without its jit-fused swiglu/bda/cross-entropy")
     ap.add_argument("--warmup", type=int, default=2)
@@ -76,6 +86,10 @@ def parse_args(argv=None):
         ap.error(f"--engines: unknown {bad}; allowed: hf, mcore")
     if args.layouts is None:
         args.layouts = [cliargs.layout("tp=1,etp=1")]
+    args.specs = [x.strip() for x in args.spec.split(",") if x.strip()]
+    bad = [x for x in args.specs if x not in ("auto", "te", "local")]
+    if bad or not args.specs:
+        ap.error(f"--spec: unknown {bad or args.spec!r}; allowed: auto, te, local")
     args.grouped = [g.strip() for g in args.grouped.split(",") if g.strip()]
     bad = [g for g in args.grouped if g not in ("auto", "on", "off")]
     if bad:
@@ -253,16 +267,29 @@ MCORE_FUSIONS = dict(bias_activation_fusion=True, bias_dropout_fusion=True, cros
                      cross_entropy_fusion_impl="native")
 
 
-def run_mcore(cfg, args, device, grouped: str, parallel) -> dict:
-    from megatron.core import parallel_state as ps
+def mcore_overrides(spec: str, grouped: str, attention_backend: str, te_installed: bool) -> dict:
+    """TransformerConfig overrides of one spec. local: the TE-free path as it runs without TE (SDPA core
+    attention, grouped-GEMM experts; forced on where TE is installed, where megatron would pick its unfused
+    attention and per-expert loop); te: TE's attention backend selection and TEGroupedMLP experts (the
+    megatron recipes' --moe-grouped-gemm; grouped=off: SequentialMLP of TE linears)."""
     from megatron.core.transformer.enums import AttnBackend
 
+    if spec == "te":
+        return {"attention_backend": AttnBackend[attention_backend], "moe_grouped_gemm": grouped != "off"}
+    att = "sdpa" if (attention_backend == "auto" and te_installed) else attention_backend
+    want = {"auto": True if te_installed else None, "on": True, "off": False}[grouped]
+    return {"attention_backend": AttnBackend[att], "moe_sequential_grouped_mm": want}
+
+
+def run_mcore(cfg, args, device, grouped: str, parallel, spec: str = "local") -> dict:
+    from megatron.core import parallel_state as ps
+
     from dsv3_rl.mcore import runtime
+    from dsv3_rl.mcore.te_attention_probe import te_selected_backend
 
     tp, ep = parallel.tp, parallel.ep
     runtime.init_distributed(parallel)
-    overrides = {"attention_backend": AttnBackend[args.attention_backend],
-                 "moe_sequential_grouped_mm": {"auto": None, "on": True, "off": False}[grouped]}
+    overrides = mcore_overrides(spec, grouped, args.attention_backend, runtime.have_te())
     if on_cuda():
         overrides["use_cpu_initialization"] = False  # initialise on the GPU: seconds, not minutes
         if not args.no_fusions:
@@ -270,7 +297,7 @@ def run_mcore(cfg, args, device, grouped: str, parallel) -> dict:
     for k in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):
         os.environ.pop(k, None)
     t0 = time.perf_counter()
-    chunks = runtime.build_model(cfg, parallel, dtype=torch.bfloat16, config_overrides=overrides)
+    chunks = runtime.build_model(cfg, parallel, dtype=torch.bfloat16, use_te=spec == "te", config_overrides=overrides)
     model = chunks[0]
     build_s = time.perf_counter() - t0
     use_ddp = world() > 1
@@ -300,16 +327,22 @@ def run_mcore(cfg, args, device, grouped: str, parallel) -> dict:
     loss = float(step().detach())
     att = inner.decoder.layers[0].self_attention.core_attention
     moe = [layer.mlp.experts for layer in inner.decoder.layers if hasattr(layer.mlp, "experts")]
-    used_grouped = bool(moe) and moe[0].grouped_mm and moe[0]._use_grouped_forward(
-        torch.empty(0, cfg.hidden_size, device=device, dtype=torch.bfloat16))
+    if moe and type(moe[0]).__name__ == "TEGroupedMLP":
+        used_grouped = "te_grouped_gemm"
+    else:
+        used_grouped = bool(moe) and getattr(moe[0], "grouped_mm", False) and moe[0]._use_grouped_forward(
+            torch.empty(0, cfg.hidden_size, device=device, dtype=torch.bfloat16))
+        used_grouped = "grouped_mm" if used_grouped else "loop"
     q_heads = inner.decoder.layers[0].self_attention.num_attention_heads_per_partition
     info = {
-        "engine": "megatron-core", "tokens": args.seq * dp, "loss": loss, "tp": tp, "ep": ep, "dp": dp,
+        "engine": "megatron-core", "spec": spec, "tokens": args.seq * dp, "loss": loss, "tp": tp, "ep": ep, "dp": dp,
         "ddp": use_ddp, "fusions": on_cuda() and not args.no_fusions,
         "attn": "sdpa" if getattr(att, "use_sdpa", False) else type(att).__name__,
+        "te_attention": te_selected_backend() if spec == "te" else "-",
         "sdpa_kernel": sdpa_kernel_name((1, args.seq, q_heads, 0), cfg.qk_nope_head_dim + cfg.qk_rope_head_dim,
-                                        cfg.v_head_dim, torch.bfloat16, prefer=True) if getattr(att, "use_sdpa", False) else "-",
-        "grouped_setting": grouped, "experts": "grouped_mm" if used_grouped else "loop",
+                                        cfg.v_head_dim, torch.bfloat16, prefer=True) if getattr(att, "use_sdpa", False)
+                       else te_selected_backend() if spec == "te" else "-",
+        "grouped_setting": grouped, "experts": used_grouped,
         "experts_reason": getattr(moe[0], "grouped_mm_reason", "") if moe else "",
         "params_b_rank0": sum(p.numel() for p in inner.parameters()) / 1e9, "build_s": build_s, **res,
     }
@@ -345,7 +378,7 @@ def summary(results: list, args, cfg) -> str:
             parts.append(f"transformers {r['version']} (attn={r['attn']}/{r['sdpa_kernel']}, experts={r['experts']}): {r['step_ms']:.1f} ms, "
                          f"{tps / 1e3:.1f}k tok/s, peak {_gib(r)}")
         else:
-            s = (f"megatron-core TP{r['tp']} EP{r['ep']} DP{r['dp']} (attn={r['attn']}/{r['sdpa_kernel']}, "
+            s = (f"megatron-core spec={r.get('spec', 'local')} TP{r['tp']} EP{r['ep']} DP{r['dp']} (attn={r['attn']}/{r['sdpa_kernel']}, "
                  f"experts={r['experts']}, fusions={'on' if r['fusions'] else 'off'}): {r['step_ms']:.1f} ms, "
                  f"{tps / 1e3:.1f}k tok/s ({tps / world() / 1e3:.1f}k/GPU), peak {_gib(r)}/GPU")
             if hf:
@@ -356,6 +389,11 @@ def summary(results: list, args, cfg) -> str:
                 s += (f" -> {r['speedup_vs_hf']:.2f}x transformers tok/s"
                       + (f" ({r['speedup_per_gpu_vs_hf']:.2f}x per GPU)" if world() > 1 else "")
                       + f", {r['memory_vs_hf']:.2f}x its memory")
+            if r.get("spec") == "te":  # the TE spec against the TE-free path of the same layout, same run
+                loc = next((x for x in results if x.get("spec") == "local" and (x["tp"], x["ep"]) == (r["tp"], r["ep"])), None)
+                if loc:
+                    r["speedup_vs_local"] = loc["step_ms"] / r["step_ms"]
+                    s += f"; {r['speedup_vs_local']:.2f}x the local spec's speed"
             parts.append(s)
     return " | ".join(parts)
 
@@ -372,8 +410,16 @@ def main() -> int:
         except (ImportError, AttributeError):
             pass
     from dsv3_rl.convert.config_map import Parallel
-    from dsv3_rl.mcore import runtime
+    from dsv3_rl.mcore import runtime, te_env
     from dsv3_rl.models.presets import hf_config
+
+    if on_cuda():
+        te_env.check_cudnn()  # before any GPU work: TE's cuDNN beside torch's is one error line (exit 2)
+    specs = [("te" if runtime.have_te() else "local") if x == "auto" else x for x in args.specs]
+    if "te" in specs and not runtime.have_te():
+        raise cliargs.UsageError("--spec te: Transformer Engine is not installed (or does not import); "
+                                 "docs/gpu-setup.md#transformer-engine")
+    specs = list(dict.fromkeys(specs))
 
     overrides = {"num_hidden_layers": args.layers} if args.layers else None
     cfg = hf_config(args.preset, overrides)
@@ -393,12 +439,14 @@ def main() -> int:
         if world() > 1:
             dist.barrier()
     if "mcore" in args.engines:
-        for lay in args.layouts:
-            for g in args.grouped:
-                log(f"megatron-core: building {args.preset} {lay.short()} (grouped={g})")
-                r = run_mcore(cfg, args, device, g, lay)
-                results.append(r)
-                log(f"megatron-core {lay.short()} ({r['experts']}): {r['step_ms']:.1f} ms, peak {r['peak_gib']:.1f} GiB")
+        for spec in specs:
+            for lay in args.layouts:
+                for g in args.grouped:
+                    log(f"megatron-core: building {args.preset} spec={spec} {lay.short()} (grouped={g})")
+                    r = run_mcore(cfg, args, device, g, lay, spec)
+                    results.append(r)
+                    log(f"megatron-core spec={spec} {lay.short()} ({r['experts']}, attn {r['attn']}/{r['sdpa_kernel']}): "
+                        f"{r['step_ms']:.1f} ms, peak {r['peak_gib']:.1f} GiB")
     line = summary(results, args, cfg)
     if rank() == 0:
         print(line, flush=True)
@@ -410,6 +458,7 @@ def main() -> int:
         if args.json_out:
             out = Path(args.json_out)
             write_json_atomic(out, {"summary": line, "args": dict(vars(args), layouts=[lay.short() for lay in args.layouts]),
+                                    "specs": specs,
                                     "results": results}, indent=1,
                               ensure_ascii=True)
     if dist.is_initialized():

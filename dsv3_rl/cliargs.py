@@ -9,6 +9,9 @@
 * :func:`parse_set`: repeated ``--set KEY=VALUE`` (values parsed as JSON where they are JSON) as a dict;
 * :func:`usage_errors`: a ``ValueError``/``KeyError`` about the input becomes a :class:`UsageError`, so the
   ``cli_main`` wrapper prints it as one ``error: ...`` line (exit 2); no tool prints ``error:`` itself.
+* :func:`positive_int`, :func:`non_negative_int`, :func:`fraction`, :func:`open_fraction`: argparse ``type=``
+  functions, so a flag's type and range are checked where it is read, once (argparse names the flag, exit 2);
+* :func:`env_flag`: the one reader of a yes/no environment variable (an unknown word is refused, never read as no).
 """
 
 from __future__ import annotations
@@ -105,3 +108,64 @@ def usage_errors(*types: type[Exception]) -> Iterator[None]:
         raise
     except catch as e:
         raise UsageError(e.args[0] if isinstance(e, KeyError) and e.args else str(e)) from None
+
+
+TRUE_WORDS = ("1", "true", "yes", "y", "on")
+FALSE_WORDS = ("0", "false", "no", "n", "off", "")
+
+
+def env_flag(name: str, default: bool = False, environ=None) -> bool:
+    """A boolean environment variable: one of :data:`TRUE_WORDS` / :data:`FALSE_WORDS` (any case); unset is
+    DEFAULT; anything else is a :class:`UsageError` naming the variable and the accepted words (never read as no)."""
+    v = (os.environ if environ is None else environ).get(name)
+    if v is None:
+        return default
+    w = v.strip().lower()
+    if w in TRUE_WORDS:
+        return True
+    if w in FALSE_WORDS:
+        return False
+    raise UsageError(f"{name}={v!r} is not a yes/no value (yes: {', '.join(TRUE_WORDS)}; "
+                     f"no: {', '.join(w or repr('') for w in FALSE_WORDS)})")
+
+
+def _number(text: str, kind: type, flag_hint: str):
+    try:
+        v = kind(text)
+    except (TypeError, ValueError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not {flag_hint}") from None
+    if kind is float and v != v:  # NaN compares false with every bound
+        raise argparse.ArgumentTypeError(f"{text!r} is not {flag_hint}")
+    return v
+
+
+def positive_int(text: str) -> int:
+    """argparse ``type=`` for an integer >= 1 (argparse names the flag: ``--iters: 0 is not an integer >= 1``)."""
+    v = _number(text, int, "an integer >= 1")
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1")
+    return v
+
+
+def non_negative_int(text: str) -> int:
+    """argparse ``type=`` for an integer >= 0."""
+    v = _number(text, int, "an integer >= 0")
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 0")
+    return v
+
+
+def fraction(text: str) -> float:
+    """argparse ``type=`` for a number within [0, 1]."""
+    v = _number(text, float, "a number within 0..1")
+    if not 0.0 <= v <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number within 0..1")
+    return v
+
+
+def open_fraction(text: str) -> float:
+    """argparse ``type=`` for a number strictly between 0 and 1 (a probability threshold that can be crossed)."""
+    v = _number(text, float, "a number strictly between 0 and 1")
+    if not 0.0 < v < 1.0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number strictly between 0 and 1")
+    return v

@@ -45,7 +45,14 @@ class Terminated(KeyboardInterrupt):
 
 
 def debug_enabled() -> bool:
-    return os.environ.get("DSV3_DEBUG", "").strip().lower() not in ("", "0", "false", "no")
+    """``DSV3_DEBUG`` read by the package's one yes/no parser (:func:`dsv3_rl.cliargs.env_flag`); an unknown
+    word turns tracebacks on (this runs while an error is reported: it must not raise one of its own)."""
+    from dsv3_rl.cliargs import UsageError, env_flag  # cliargs imports this module: import when called
+
+    try:
+        return env_flag("DSV3_DEBUG")
+    except UsageError:
+        return True
 
 
 def describe_oserror(e: OSError) -> str:

@@ -112,5 +112,9 @@ def replace_dir(staged: str | os.PathLike, out: str | os.PathLike) -> None:
     old = out.with_name(f".{out.name}.old-{os.getpid()}")
     shutil.rmtree(old, ignore_errors=True)
     os.replace(out, old)
-    os.replace(staged, out)
+    try:
+        os.replace(staged, out)
+    except BaseException:
+        os.replace(old, out)  # put the old one back: OUT is never missing after a failed swap
+        raise
     shutil.rmtree(old, ignore_errors=True)

@@ -129,7 +129,7 @@ def _convert(cls, key: str, raw: str):
     if key not in fields:
         raise LayoutError(f"{cls.__name__}: unknown key {key!r}; allowed: {sorted(fields)}")
     text = str(typing.get_type_hints(cls)[key])
-    if raw.lower() in ("none", "null"):
+    if raw.lower() in ("none", "null") and "None" in text:  # recompute=none stays the string "none"
         return None
     try:
         if "tuple" in text:
@@ -168,8 +168,13 @@ def parse_kv(cls, items: list[str]) -> dict:
     return out
 
 
+#: parallel sizes, in any layout class (trainer Layout, the planner's RolloutLayout): integers >= 1 (or None)
+PARALLEL_SIZES = ("tp", "pp", "ep", "etp", "vpp", "cp", "dp")
+
+
 def from_dict(cls, d: dict[str, Any] | None):
-    """Build a dataclass from a dict; unknown keys are an error naming the allowed ones."""
+    """Build a dataclass from a dict; unknown or missing keys are an error naming them, and so is a parallel
+    size (PARALLEL_SIZES) that is not an integer >= 1 (``tp=0``)."""
     if d is None:
         return cls()
     if isinstance(d, cls):
@@ -178,4 +183,12 @@ def from_dict(cls, d: dict[str, Any] | None):
     unknown = sorted(set(d) - names)
     if unknown:
         raise LayoutError(f"{cls.__name__}: unknown key(s) {unknown}; allowed: {sorted(names)}")
+    required = [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING
+                and f.default_factory is dataclasses.MISSING and f.name not in d]
+    if required:
+        raise LayoutError(f"{cls.__name__}: missing key(s) {required}; give them as key=value")
+    for k in PARALLEL_SIZES:
+        v = d.get(k)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise LayoutError(f"{cls.__name__}.{k}={v!r}: a parallel size is an integer >= 1")
     return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})

@@ -106,6 +106,8 @@ fi
 if [ "${SETUP_EXTRAS:-}" = "gpu" ]; then
   say "GPU extras: see docs/gpu-setup.md (vLLM, Transformer Engine, flash-attn are cluster-image choices)"
   pip_install -r scripts/requirements-gpu.txt
+  # TE is the image's (docs/gpu-setup.md): its version and whether megatron-core's own pin accepts it
+  "$PY" -m dsv3_rl.mcore.te_env --te-only | sed 's/^/[setup] /'
 fi
 
 "$PY" - <<'PYEOF'

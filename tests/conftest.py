@@ -71,3 +71,12 @@ def _no_leaked_process_group(request):
     if leaked:
         pytest.fail(f"{request.node.nodeid} left {' and '.join(leaked)} initialized (now destroyed); "
                     "tear down what a test sets up", pytrace=False)
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest's own -m selection sees the markers
+def pytest_collection_modifyitems(config, items):
+    """An ``e2e`` test (a whole GRPO run) is always ``slow`` too: it never lands in ``make test-fast``'s
+    parallel phase, where it would share the two cores with other tests."""
+    for item in items:
+        if item.get_closest_marker("e2e") and not item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.slow)

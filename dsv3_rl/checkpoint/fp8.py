@@ -45,14 +45,15 @@ from pathlib import Path
 import torch
 
 from . import fp8_kernels as K
-# FP8_WEIGHT_RE: the linear weights DeepSeek ships in FP8 (not: embeddings, lm_head, norms, router gate, eh_proj).
+# FP8_WEIGHT_RE: the linear weights DeepSeek ships in FP8 (not: embeddings, lm_head, norms, router gate, eh_proj):
+# what `quantize` quantizes; `cast` dequantizes every FP8 weight that has its scale, whatever its name.
 from .hf_config import (BIAS_SUFFIX, FP8_WEIGHT_RE, ConfigError, check_family, check_tensor_dtypes, fix_config,
                         load_config)
-from .outputs import FP8_TOOL, MANIFEST, manifest_path, read_manifest, write_manifest
+from .outputs import FP8_TOOL, MANIFEST, manifest_path, read_manifest, refuse_foreign_dir, write_manifest
 from .outputs import NAMES as MANIFEST_NAMES
 from .safetensors_io import (Header, SafetensorsError, ShardWriter, TensorInfo, itemsize, pread_exact, read_header,
                              read_tensor)
-from dsv3_rl.cliargs import add_force, add_out, one_path
+from dsv3_rl.cliargs import add_force, add_out, one_path, positive_int
 from dsv3_rl.errors import Dsv3Error, check_space, cli_main
 from dsv3_rl.fs import JsonFileError, atomic_path, sha256_file, write_json_atomic
 
@@ -192,11 +193,14 @@ def _check_scale(name: str, info: TensorInfo, where: dict) -> tuple[Path, Tensor
     return spath, sinfo
 
 
-def _check_dtypes(headers: dict[str, Header]) -> None:
-    """Every tensor's dtype is one the architecture allows (a ``_scale_inv`` is checked with its weight)."""
+def _check_dtypes(headers: dict[str, Header], where: dict) -> None:
+    """Every tensor's dtype is one the architecture allows: FP8 for a weight with its ``_scale_inv`` anywhere in
+    the checkpoint (a ``_scale_inv`` is checked with its weight)."""
+    scaled = {n[: -len(SCALE_SUFFIX)] for n in where if n.endswith(SCALE_SUFFIX)}
     for h in headers.values():
         try:
-            check_tensor_dtypes({n: i.dtype for n, i in h.tensors.items() if not n.endswith(SCALE_SUFFIX)}, str(h.path))
+            check_tensor_dtypes({n: i.dtype for n, i in h.tensors.items() if not n.endswith(SCALE_SUFFIX)}, str(h.path),
+                                scaled=scaled)
         except ConfigError as e:
             raise CheckpointError(str(e)) from None
 
@@ -226,7 +230,7 @@ def plan_cast(in_dir, out_dir, *, drop_mtp: bool = True) -> Plan:
             w = n[: -len(SCALE_SUFFIX)]
             if w not in where or where[w][1].dtype != "F8_E4M3":
                 raise CheckpointError(f"scale {n!r} ({p.name}) has no FP8 weight {w!r} to go with it")
-    _check_dtypes(headers)
+    _check_dtypes(headers, where)
     n_layers = int(config["num_hidden_layers"])
     plan = Plan("fp8_to_bf16", in_dir, out_dir, config, [], {f: h.file_size for f, h in headers.items()},
                 {"direction": "fp8_to_bf16", "drop_mtp": drop_mtp}, warnings=warnings)
@@ -266,7 +270,7 @@ def plan_quantize(in_dir, out_dir, *, scale_fmt: str = "pow2", drop_mtp: bool = 
     already = [n for n, (_, i) in where.items() if i.dtype.startswith("F8_") or n.endswith(SCALE_SUFFIX)]
     if already:
         raise CheckpointError(f"{in_dir} is already FP8 (e.g. tensor {already[0]!r}); nothing to quantize")
-    _check_dtypes(headers)
+    _check_dtypes(headers, where)
     n_layers = int(config["num_hidden_layers"])
     plan = Plan("bf16_to_fp8", in_dir, out_dir, config, [], {f: h.file_size for f, h in headers.items()},
                 {"direction": "bf16_to_fp8", "drop_mtp": drop_mtp, "scale_fmt": scale_fmt}, warnings=warnings)
@@ -457,11 +461,7 @@ def _load_manifest(plan: Plan, overwrite: bool) -> dict:
     except JsonFileError:
         manifest, corrupt = None, True  # written atomically, so this is not ours half-written: start over
     if path is None or (manifest is None and not corrupt):  # none, or another tool's
-        theirs = sorted(p.name for p in plan.out_dir.iterdir()) if plan.out_dir.is_dir() else []
-        if theirs:
-            raise CheckpointError(
-                f"output dir {plan.out_dir} is not empty ({len(theirs)} entries, e.g. {theirs[0]!r}) and holds no "
-                f"{MANIFEST}: not an output of this tool, so nothing in it is replaced; choose an empty or new dir")
+        refuse_foreign_dir(plan.out_dir, MANIFEST, CheckpointError)
         return fresh
     if overwrite:
         _clear_previous(plan.out_dir, path)
@@ -632,8 +632,8 @@ def quantize_checkpoint(in_dir, out_dir, *, scale_fmt: str = "pow2", drop_mtp: b
 
 def _add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto (cuda if available) | cpu | cuda | cuda:N")
-    p.add_argument("--workers", type=int, help="shards converted in parallel (default: from CPU count)")
-    p.add_argument("--chunk-mb", type=int, help="rows read per step, MB (default 32 on CPU, 256 on GPU)")
+    p.add_argument("--workers", type=positive_int, help="shards converted in parallel (default: from CPU count)")
+    p.add_argument("--chunk-mb", type=positive_int, help="rows read per step, MB (default 32 on CPU, 256 on GPU)")
     p.add_argument("--verify-existing", action="store_true",
                    help="re-hash finished output shards before skipping them (default: size check)")
     add_force(p, "--overwrite", help="ignore a previous run's manifest; redo every shard")

@@ -30,6 +30,7 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Collection
 from typing import Any
 from dsv3_rl.cliargs import add_out
 from dsv3_rl.errors import Dsv3Error, cli_main
@@ -154,12 +155,17 @@ def validate_config(cfg: dict, where: str = "config.json", *, require: bool = Tr
             raise ConfigError(f"{where}: {key} = {dt!r}; allowed: {', '.join(CONFIG_DTYPES)}")
 
 
-def check_tensor_dtypes(dtypes: dict[str, str], where: str) -> None:
+def check_tensor_dtypes(dtypes: dict[str, str], where: str, scaled: Collection[str] = ()) -> None:
     """Raise ConfigError naming the first tensor whose dtype (safetensors spelling: BF16, F8_E4M3, I16, ...)
-    the architecture does not allow: floats everywhere; F8_E4M3 only for the linear weights DeepSeek ships in
-    FP8; a ``_scale_inv`` is a float."""
+    the architecture does not allow: floats everywhere; F8_E4M3 for a weight that has its ``<name>_scale_inv``
+    (SCALED: the names that have one; DeepSeek's ``fp8_cast_bf16.py`` dequantizes every such weight, whatever
+    its name: an ``eh_proj`` of the MTP layer as well as the linear weights of the release); a ``_scale_inv``
+    is a float."""
     for name, dt in dtypes.items():
-        allowed = FLOAT_DTYPES + FP8_DTYPES if FP8_WEIGHT_RE.match(name) else FLOAT_DTYPES
+        allowed = FLOAT_DTYPES + FP8_DTYPES if name in scaled else FLOAT_DTYPES
+        if dt in FP8_DTYPES and name not in scaled:
+            raise ConfigError(f"{where}: FP8 tensor {name!r} has no scale: {name + SCALE_SUFFIX!r} is missing from the "
+                              f"checkpoint (dtype {dt} needs its scale; allowed without one: {', '.join(FLOAT_DTYPES)})")
         if dt not in allowed:
             raise ConfigError(f"{where}: tensor {name!r} has dtype {dt}; allowed for it: {', '.join(allowed)}")
 

@@ -5,6 +5,9 @@ A tool that writes an output directory keeps ``dsv3_manifest.json`` in it: a JSO
 is written atomically (:func:`dsv3_rl.fs.write_json_atomic`), so a reader sees the previous state or the
 new one. Other tools' manifests are not this tool's: :func:`read_manifest` returns None for them.
 
+:func:`refuse_foreign_dir` is the one check that a tool writes only into an empty directory or one of its own
+outputs (the FP8 cast, the warm start).
+
 Outputs written before this convention carry ``.dsv3-convert-manifest.json`` (FP8 cast) or
 ``dsv3_convert.json`` (converter); they are still read, and the next write replaces them.
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from dsv3_rl.errors import Dsv3Error
 from dsv3_rl.fs import read_json, write_json_atomic
 
 MANIFEST = "dsv3_manifest.json"
@@ -45,6 +49,19 @@ def read_manifest(out_dir: str | os.PathLike, tool: str) -> dict | None:
     if data.get("tool", LEGACY.get(p.name)) != tool:
         return None
     return data
+
+
+def refuse_foreign_dir(out_dir: str | os.PathLike, marker: str, error: type[Exception] = Dsv3Error) -> None:
+    """Call before writing into OUT_DIR when it holds no output of this tool (no MARKER, the file the tool
+    writes into every output of its own): raise ERROR (a :class:`Dsv3Error`) when OUT_DIR is a file or a
+    directory that is not empty, so that nothing of the user's is replaced; a missing or empty OUT_DIR is fine."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise error(f"output dir {out_dir} is a file; choose an empty or new dir")
+    theirs = sorted(p.name for p in out_dir.iterdir()) if out_dir.is_dir() else []
+    if theirs:
+        raise error(f"output dir {out_dir} is not empty ({len(theirs)} entries, e.g. {theirs[0]!r}) and holds no "
+                    f"{marker}: not an output of this tool, so nothing in it is replaced; choose an empty or new dir")
 
 
 def write_manifest(out_dir: str | os.PathLike, tool: str, data: dict) -> Path:

@@ -31,8 +31,9 @@ from pathlib import Path
 
 import torch
 
+from dsv3_rl.cliargs import fraction, positive_int
 from dsv3_rl.consistency import metrics
-from dsv3_rl.errors import Dsv3Error, cli_main
+from dsv3_rl.errors import Dsv3Error, cli_main, is_read_only
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL = REPO / "examples/deepseek_v3/models/dsv3-tiny-warm"
@@ -76,13 +77,59 @@ def load_prompts(spec: str) -> list[str]:
     return prompts
 
 
+DEFAULT_MODEL_LEN = 512  # vLLM's max_model_len when prompt + --max-tokens fit in it (the KV cache stays small)
+
+
+def check_model(model: Path, prompts: list[str], max_tokens: int) -> int:
+    """Refuse, in one line, a --model the run cannot use, before vLLM or megatron start: no or invalid
+    config.json, no MoE layer (nothing routed to compare), no loadable tokenizer, or prompts + --max-tokens
+    beyond its max_position_embeddings. Returns vLLM's max_model_len: every prompt gets all --max-tokens."""
+    from dsv3_rl.checkpoint.hf_config import ConfigError, load_config
+
+    if not (model / "config.json").is_file():
+        raise ConsistencyError(f"--model {model}: no config.json (an HF DeepSeek-V3 checkpoint dir)")
+    try:
+        cfg = load_config(model)
+    except ConfigError as e:
+        raise ConsistencyError(f"--model {model}: {e}") from None
+    n_layers, n_experts, dense = cfg["num_hidden_layers"], cfg["n_routed_experts"], cfg["first_k_dense_replace"]
+    if n_experts < 1 or dense >= n_layers:
+        raise ConsistencyError(f"--model {model}: a dense model (n_routed_experts {n_experts}, first_k_dense_replace "
+                               f"{dense} of num_hidden_layers {n_layers}): no MoE layer, so no routes to compare; "
+                               f"give a DeepSeek-V3 checkpoint with MoE layers")
+    try:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(model)
+        from dsv3_rl.consistency.vllm_side import prompt_ids
+
+        longest = max(len(prompt_ids(tok, p)) for p in prompts)
+    except Exception as e:  # noqa: BLE001 - transformers raises many types for a missing or broken tokenizer
+        what = " ".join(str(e).split())[:200]
+        raise ConsistencyError(f"--model {model}: no usable tokenizer with a chat template ({type(e).__name__}: "
+                               f"{what}); expected tokenizer.json and tokenizer_config.json beside config.json") from None
+    positions = cfg["max_position_embeddings"]
+    if longest + max_tokens > positions:
+        raise ConsistencyError(f"--max-tokens {max_tokens}: the longest prompt has {longest} tokens and {model} takes "
+                               f"{positions} positions (max_position_embeddings): at most {positions - longest}")
+    return max(min(DEFAULT_MODEL_LEN, positions), longest + max_tokens)
+
+
+def check_writable(args) -> None:
+    """--out and --json's directory must be writable: refused before the run, not after it (the report kept)."""
+    for flag, path in (("--out", args.out), ("--json", args.json)):
+        if path is not None and is_read_only(path):
+            raise ConsistencyError(f"{flag} {path}: read-only or not writable; choose a writable location")
+
+
 def rollout(model: Path, prompts: list[str], dtype: str, max_tokens: int, seed: int, fault: str | None,
-            work: Path) -> dict:
+            work: Path, max_model_len: int = DEFAULT_MODEL_LEN) -> dict:
     """vLLM's side, in its own process (it owns torch.distributed there)."""
     pfile, out = work / "prompts.json", work / f"rollout-{fault or 'clean'}.pt"
     pfile.write_text(json.dumps(prompts))
     cmd = [sys.executable, "-m", "dsv3_rl.consistency.vllm_side", "--model", str(model), "--prompts", str(pfile),
-           "--out", str(out), "--dtype", dtype, "--max-tokens", str(max_tokens), "--seed", str(seed)]
+           "--out", str(out), "--dtype", dtype, "--max-tokens", str(max_tokens), "--seed", str(seed),
+           "--max-model-len", str(max_model_len)]
     if fault:
         cmd += ["--fault", fault]
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")}
@@ -172,7 +219,8 @@ def write_plots(report: dict, out: Path) -> list[Path]:
 
 def _measure(args, work: Path, trainer, vllm_fault: str | None = None, trainer_fault: str | None = None,
              roll: dict | None = None) -> dict:
-    roll = roll or rollout(args.model, args.prompt_list, args.dtype, args.max_tokens, args.seed, vllm_fault, work)
+    roll = roll or rollout(args.model, args.prompt_list, args.dtype, args.max_tokens, args.seed, vllm_fault, work,
+                           args.max_model_len)
     return summarise(roll, trainer.passes(roll, trainer_fault), trainer.hf), roll
 
 
@@ -208,9 +256,9 @@ def cmd_run(args) -> int:
     report["passed"] = all(ok for _, ok, _ in rows)
     report["model"] = str(args.model)
     _print_report(report, rows)
-    plots = write_plots(report, args.out)
-    if args.json:
+    if args.json:  # first: the report survives a failure to draw or write the plots
         _write_json(args.json, report)
+    plots = write_plots(report, args.out)
     print(f"{'PASSED' if report['passed'] else 'FAILED'}: R3 agreement {report['with_replay']['route_agreement']:.3f}, "
           f"no-replay agreement {report['without_replay']['route_agreement']:.3f}, mean |dlogp| "
           f"{report['without_replay']['logprob_abs_diff_mean']:.4f} -> {report['with_replay']['logprob_abs_diff_mean']:.4f}"
@@ -270,20 +318,18 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="HF DeepSeek-V3 checkpoint dir (default: the demo's)")
         p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
         p.add_argument("--prompts", default="8", help="a count of shipped prompts, or a JSON list file (default 8)")
-        p.add_argument("--max-tokens", type=int, default=24, help="tokens generated per prompt (default 24)")
+        p.add_argument("--max-tokens", type=positive_int, default=24,
+                       help="tokens generated per prompt, all of them (default 24; prompt + this must fit the "
+                            "model's max_position_embeddings)")
         p.add_argument("--seed", type=int, default=0)
-        p.add_argument("--min-agreement", type=float, default=Gates.native_agreement_min,
+        p.add_argument("--min-agreement", type=fraction, default=Gates.native_agreement_min,
                        help=f"no-replay route agreement gate (default {Gates.native_agreement_min}, for the demo's model in bf16)")
         p.add_argument("--json", type=Path, help="write the report here")
         p.add_argument("--out", type=Path, default=Path("out/consistency"), help="plots go here (default out/consistency)")
     args = ap.parse_args(argv)
-    if not (args.model / "config.json").is_file():
-        raise ConsistencyError(f"--model {args.model}: no config.json (an HF DeepSeek-V3 checkpoint dir)")
-    if args.max_tokens < 1:
-        raise ConsistencyError(f"--max-tokens {args.max_tokens}: must be >= 1")
-    if not 0.0 <= args.min_agreement <= 1.0:
-        raise ConsistencyError(f"--min-agreement {args.min_agreement}: must be within 0..1")
     args.prompt_list = load_prompts(args.prompts)
+    check_writable(args)
+    args.max_model_len = check_model(args.model, args.prompt_list, args.max_tokens)
     return cmd_run(args) if args.cmd == "run" else cmd_check_faults(args)
 
 

@@ -2,7 +2,7 @@
 
     dsv3-replay-check [--layout tp=2,ep=2] ...     # = python -m dsv3_rl.consistency.replay_check; under torchrun:
     torchrun --nproc-per-node N -m dsv3_rl.consistency.replay_check [--layout tp=2,ep=2]
-        [--model tiny-vllm] [--dtype bf16|fp32] [--seq-length 64] [--json FILE] [--fault shift]
+        [--model tiny-vllm] [--dtype bf16|fp32] [--seq-length 64] [--json FILE] [--fault shift] [--spec auto|te|local]
 
 On one micro-batch of random tokens, through megatron's pipeline schedule (forward + backward) and
 verl's router replay (``apply_router_replay_patch``, ``RouterReplayAction``, ``set_replay_data`` /
@@ -25,12 +25,14 @@ GPUs (NCCL), any layout megatron-core and verl's replay support (TP/SP, EP, PP; 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from pathlib import Path
 
 import torch
 
+from dsv3_rl.cliargs import positive_int, usage_errors
 from dsv3_rl.errors import Dsv3Error, cli_main
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -47,15 +49,18 @@ def _agree(a: dict[int, torch.Tensor], b: dict[int, torch.Tensor]) -> tuple[int,
     return same, total
 
 
-def run(layout_text: str, model: str, dtype: str, seq_length: int, fault: str | None, seed: int = 0) -> dict:
+def run(layout_text: str, model: str, dtype: str, seq_length: int, fault: str | None, seed: int = 0,
+        spec: str = "auto") -> dict:
     import torch.distributed as dist
 
     from dsv3_rl.consistency.mcore_side import RouteHook
+    from dsv3_rl.correctness.spec import resolve_spec
     from dsv3_rl.layout import Layout
     from dsv3_rl.mcore import layout_check, runtime
     from dsv3_rl.models import presets
 
     layout = Layout.parse(layout_text)
+    spec = resolve_spec(spec)
     # deterministic kernels where torch has them (GPU scatter/index_add, cuBLAS): a replayed pass can then be
     # compared with the recorded one bit for bit instead of up to atomics' noise
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -72,7 +77,7 @@ def run(layout_text: str, model: str, dtype: str, seq_length: int, fault: str | 
     overrides = {"moe_enable_routing_replay": True}
     if torch.cuda.is_available():
         overrides["use_cpu_initialization"] = False  # initialise on the GPU: seconds, not minutes (proxy: 5.2B)
-    chunks = runtime.build_model(hf, layout, dtype=DTYPES[dtype], config_overrides=overrides)
+    chunks = runtime.build_model(hf, layout, dtype=DTYPES[dtype], config_overrides=overrides, use_te=spec == "te")
     chunks = runtime.wrap_ddp(chunks)
     hook = RouteHook([runtime.unwrap(c) for c in chunks])
     batch = layout_check.make_batches(hf.vocab_size, 1, 1, seq_length, seed=seed)
@@ -127,7 +132,7 @@ def run(layout_text: str, model: str, dtype: str, seq_length: int, fault: str | 
     noise = abs(la - lr)
     c = counts.tolist()
     result = {
-        "layout": layout_text, "model": model, "dtype": dtype, "world": dist.get_world_size(), "fault": fault,
+        "layout": layout_text, "model": model, "dtype": dtype, "world": dist.get_world_size(), "fault": fault, "spec": spec,
         "tokens_x_layers": int(c[1]),
         "replay_agreement": c[0] / c[1], "replay_perturbed_agreement": c[2] / c[3],
         "native_perturbed_agreement": c[4] / c[5], "loss_record": lr, "loss_replay": lp, "loss_noise": noise,
@@ -145,21 +150,45 @@ def run(layout_text: str, model: str, dtype: str, seq_length: int, fault: str | 
     return result
 
 
+def check_args(args) -> None:
+    """--model a preset, --layout valid and matching this run's world size: one line (exit 2) before anything runs."""
+    from dsv3_rl.layout import Layout
+    from dsv3_rl.models import presets
+
+    try:
+        presets.resolve(args.model)
+    except KeyError as e:
+        raise Dsv3Error(f"--model: {e.args[0]}") from None
+    layout = Layout.parse(args.layout)  # a LayoutError names the key
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if not layout.dp(world) or not layout.edp(world):
+        mp, emp = layout.tp * layout.pp * layout.cp, layout.etp_ * layout.ep * layout.pp
+        need = mp * emp // math.gcd(mp, emp)
+        how = ("this is one process, not started by torchrun" if "WORLD_SIZE" not in os.environ
+               else f"torchrun started {world} process(es)")
+        raise Dsv3Error(f"--layout {args.layout}: needs a world size divisible by TP*PP*CP = {mp} and EP*ETP*PP = {emp}; "
+                        f"{how}: run torchrun --nproc-per-node {need} -m dsv3_rl.consistency.replay_check "
+                        f"--layout {args.layout}")
+
+
 @cli_main
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="dsv3-replay-check", description=__doc__.split("\n")[0])
     ap.add_argument("--layout", default="tp=1", help="megatron layout, e.g. tp=2,ep=2 (world size from torchrun)")
     ap.add_argument("--model", default="tiny-vllm", help="a model preset of dsv3_rl.models.presets")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    ap.add_argument("--seq-length", type=int, default=64)
+    ap.add_argument("--seq-length", type=positive_int, default=64)
     ap.add_argument("--fault", choices=("shift",))
+    ap.add_argument("--spec", choices=("auto", "te", "local"), default="auto",
+                    help="megatron layer spec: te (Transformer Engine), local, auto (te where it imports)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
-    from dsv3_rl.models import presets
+    check_args(args)
+    from dsv3_rl.correctness.spec import resolve_spec
 
-    if presets.resolve(args.model) not in presets.PRESETS:
-        raise Dsv3Error(f"--model {args.model!r}: not a preset (allowed: {', '.join(presets.PRESETS)})")
-    res = run(args.layout, args.model, args.dtype, args.seq_length, args.fault)
+    with usage_errors():
+        resolve_spec(args.spec)  # --spec te without a usable Transformer Engine: one line, exit 2
+    res = run(args.layout, args.model, args.dtype, args.seq_length, args.fault, spec=args.spec)
     if int(os.environ.get("RANK", "0")) == 0:
         for g in res["gates"]:
             print(f"  {'PASS' if g['passed'] else 'FAIL'}  {g['gate']}")
@@ -168,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
 
             args.json.parent.mkdir(parents=True, exist_ok=True)
             write_json_atomic(args.json, res)
-        print(f"replay check {res['layout']} x{res['world']} {res['dtype']}{' fault=' + res['fault'] if res['fault'] else ''}: "
+        print(f"replay check {res['layout']} x{res['world']} {res['dtype']} spec {res['spec']}"
+              f"{' fault=' + res['fault'] if res['fault'] else ''}: "
               f"{'PASSED' if res['passed'] else 'FAILED'}; replay agreement {res['replay_agreement']:.4f}, under a "
               f"perturbed router {res['replay_perturbed_agreement']:.4f} (router alone {res['native_perturbed_agreement']:.4f}), "
               f"loss {res['loss_record']:.6f} -> {res['loss_replay']:.6f} (noise {res['loss_noise']:.1e}), "

@@ -53,15 +53,17 @@ def prompt_ids(tokenizer, prompt: str) -> list[int]:
 
 
 def generate(model_dir: Path, prompts: list[str], dtype: str, max_tokens: int, seed: int,
-             fault: str | None = None, kv_cache_bytes: int = 256 << 20) -> dict:
+             fault: str | None = None, kv_cache_bytes: int = 256 << 20, max_model_len: int | None = None) -> dict:
+    """MAX_MODEL_LEN: vLLM's context (default min(512, max_position_embeddings)); the caller sizes it so that
+    every prompt gets all MAX_TOKENS (``dsv3_rl.consistency.cli.check_model``); fewer is an error, not a result."""
     _env()
     from transformers import AutoConfig
     from vllm import LLM, SamplingParams
 
     hf = AutoConfig.from_pretrained(model_dir)
+    max_model_len = max_model_len or min(512, hf.max_position_embeddings)
     llm = LLM(model=str(model_dir), dtype=DTYPES[dtype], enforce_eager=True, seed=seed,
-              enable_prefix_caching=False, max_model_len=min(512, hf.max_position_embeddings),
-              kv_cache_memory_bytes=kv_cache_bytes)
+              enable_prefix_caching=False, max_model_len=max_model_len, kv_cache_memory_bytes=kv_cache_bytes)
     if fault is not None:
         llm.collective_rpc(vllm_routes.apply_fault, args=(fault,))
     moe_layers = llm.collective_rpc(vllm_routes.install)[0]
@@ -75,6 +77,9 @@ def generate(model_dir: Path, prompts: list[str], dtype: str, max_tokens: int, s
     for i, (prompt, res) in enumerate(zip(ids, outs, strict=True)):
         out = res.outputs[0]
         response = list(out.token_ids)
+        if len(response) != max_tokens:  # ignore_eos: only the context length can cut it short
+            raise RuntimeError(f"prompt {i}: vLLM generated {len(response)} tokens, asked for {max_tokens} "
+                               f"(prompt {len(prompt)} tokens, max_model_len {max_model_len})")
         logprobs = [lp[t].logprob for lp, t in zip(out.logprobs, response, strict=True)]
         routes = llm.collective_rpc(vllm_routes.pop, args=(res.request_id,))[0]
         fed = len(prompt) + len(response) - 1
@@ -95,9 +100,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--fault", choices=FAULTS)
+    ap.add_argument("--max-model-len", type=int, help="vLLM's context length (default min(512, max positions))")
     args = ap.parse_args(argv)
     prompts = json.loads(args.prompts.read_text())
-    result = generate(args.model, prompts, args.dtype, args.max_tokens, args.seed, args.fault)
+    result = generate(args.model, prompts, args.dtype, args.max_tokens, args.seed, args.fault,
+                      max_model_len=args.max_model_len)
     with atomic_path(args.out) as tmp:
         torch.save(result, tmp)
     return 0

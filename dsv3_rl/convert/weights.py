@@ -141,9 +141,9 @@ def load_hf_config(hf_dir: Path) -> dict:
     return cfg
 
 
-def _check_dtypes(dtypes: dict[str, str], where: Path) -> None:
+def _check_dtypes(dtypes: dict[str, str], where: Path, scaled=()) -> None:
     try:
-        check_tensor_dtypes(dtypes, str(where))
+        check_tensor_dtypes(dtypes, str(where), scaled)
     except ConfigError as e:
         raise ConvertError(str(e)) from None
 
@@ -390,8 +390,9 @@ def _hf_to_mcore(hf_dir: Path, out: Path, keep_mtp: bool = False, spec: str = "b
     by_file: dict[Path, dict[str, str]] = {}
     for n, r in reader.tensors.items():
         by_file.setdefault(r.path, {})[n] = r.dtype
+    scaled = {n.removesuffix("_scale_inv") for n in reader.tensors if n.endswith("_scale_inv")}
     for f, dts in by_file.items():
-        _check_dtypes(dts, f)
+        _check_dtypes(dts, f, scaled)
     if force or manifest_path(out) is None:
         need = sum(math.prod(shape) * (_DTYPES[dtype].itemsize if dtype else reader.tensors[n].torch_dtype.itemsize)
                    for n, shape in plan.hf_shapes.items() if n in reader.tensors)

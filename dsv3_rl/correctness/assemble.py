@@ -133,7 +133,8 @@ def single_process_megatron():
                     os.environ[k] = v
 
 
-def full_grads(hf_config, grads_dir: Path, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+def full_grads(hf_config, grads_dir: Path, dtype: torch.dtype = torch.float32,
+               use_te: bool | None = None) -> dict[str, torch.Tensor]:
     """Full gradients (megatron TP1 names, fp32, CPU) from a gradient dist checkpoint of any layout."""
     from megatron.core import dist_checkpointing
 
@@ -142,7 +143,7 @@ def full_grads(hf_config, grads_dir: Path, dtype: torch.dtype = torch.float32) -
     from dsv3_rl.mcore.layout_check import sharded_state_dict
 
     with single_process_megatron():
-        chunks = runtime.build_model(hf_config, Parallel(), dtype=dtype)
+        chunks = runtime.build_model(hf_config, Parallel(), dtype=dtype, use_te=use_te)
         params = {n for n, _ in chunks[0].named_parameters()}
         sd = dist_checkpointing.load(sharded_state_dict(chunks), str(grads_dir))
         missing = params - set(sd)

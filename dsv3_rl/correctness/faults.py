@@ -13,6 +13,12 @@ no-group-routing               megatron built without group-limited routing
                                (``moe_router_num_groups=None``, ``moe_router_group_topk=None``)
 mla-tp-grad-patch-reverted     megatron patch 0003 (MLA rope-key gradient summed over TP) reversed in a
                                scratch copy of the patched tree; runs a TP>1 layout (adds tp2_sp)
+mla-down-proj-patch-reverted   megatron patch 0001 (TE spec: column-parallel q/kv down-projections) reversed
+                               in a scratch tree; TE spec only (--spec te), at tp2_nosp_dense (TP2, no SP, an
+                               all-dense model, which megatron trains): the duplicated TELinear path leaves the
+                               rope-key gradient a per-rank partial sum over heads (Megatron-LM #1699 on the path
+                               patch 0003 does not cover). With SP on, the sequence gather's reduce-scatter sums
+                               it and the duplicated weights are all-reduced over TP, so tp2_sp is expected to PASS.
 rope-interleave-false          the HF config says ``rope_interleave=False``, which megatron-core cannot
                                express: the config mapping must refuse it (FAIL, never PASS)
 rope-interleave-false-unchecked  the same, but the candidate is built as if the key had been ignored
@@ -47,6 +53,12 @@ class Fault:
     candidate_ignores_hf_overrides: bool = False
     revert_patch: str | None = None
     needs_tp: bool = False
+    needs_te: bool = False
+    """only meaningful on the Transformer Engine spec (``--spec te``)"""
+    layout: str | None = None
+    """the named layout the fault is planted at (default: the run's first layout, tp2_sp for needs_tp)"""
+    needs_moe: bool = False
+    """acts on MoE layers (not planted at a layout whose model variant is all dense)"""
 
 
 def _moe_layers(sd: dict[str, torch.Tensor]) -> list[int]:
@@ -81,19 +93,27 @@ def perturb_router_bias(sd: dict[str, torch.Tensor]) -> list[str]:
 
 
 MLA_TP_PATCH = "0003-mla-rope-key-grad-sum-over-tp.patch"
+TE_DOWN_PROJ_PATCH = "0001-te-spec-mla-down-proj-column-parallel.patch"
 
 FAULTS: dict[str, Fault] = {f.name: f for f in [
     Fault("swap-experts", "experts 0 and 1 of the first MoE layer swapped in the converted checkpoint",
-          "MOE routed output (and everything downstream), their expert gradients", weight_edit=swap_experts),
+          "MOE routed output (and everything downstream), their expert gradients", weight_edit=swap_experts,
+          needs_moe=True),
     Fault("router-bias", "router expert_bias (e_score_correction_bias) + N(0, 0.05) in the converted checkpoint",
-          "router top-k agreement, routed output", weight_edit=perturb_router_bias),
+          "router top-k agreement, routed output", weight_edit=perturb_router_bias, needs_moe=True),
     Fault("yarn-mscale", "megatron config built with mscale_all_dim=0 (yarn softmax scale / rope factor wrong)",
           "attention output of every layer", mcore_config_overrides={"mscale_all_dim": 0.0}),
     Fault("no-group-routing", "megatron config built without group-limited routing",
-          "router top-k agreement", mcore_config_overrides={"moe_router_num_groups": None, "moe_router_group_topk": None}),
+          "router top-k agreement", mcore_config_overrides={"moe_router_num_groups": None, "moe_router_group_topk": None},
+          needs_moe=True),
     Fault("mla-tp-grad-patch-reverted", f"megatron patch {MLA_TP_PATCH} reversed (scratch copy), TP>1 layout",
           "gradients of linear_kv_down_proj (kv_a_proj_with_mqa) and everything upstream", revert_patch=MLA_TP_PATCH,
           needs_tp=True),
+    Fault("mla-down-proj-patch-reverted", f"megatron patch {TE_DOWN_PROJ_PATCH} reversed (scratch copy): the TE "
+          "spec's q/kv down-projections are TP-duplicated TELinear again; TE spec, TP2 without SP, dense model",
+          "gradients of kv_a_proj_with_mqa (its rope rows: each TP rank's k_pos_emb gradient only sums its own "
+          "heads, and the duplicated path has no TP reduction for it) and everything upstream",
+          revert_patch=TE_DOWN_PROJ_PATCH, needs_tp=True, needs_te=True, layout="tp2_nosp_dense"),
     Fault("rope-interleave-false", "HF config rope_interleave=False (megatron-core MLA cannot express it)",
           "config mapping refuses it", hf_config_overrides={"rope_interleave": False}),
     Fault("rope-interleave-false-unchecked", "HF rope_interleave=False, candidate built as if the key were ignored",

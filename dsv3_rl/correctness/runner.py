@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -29,7 +30,7 @@ from dsv3_rl.correctness.compare import Check
 from dsv3_rl.correctness.faults import Fault
 from dsv3_rl.correctness.layouts import Layout
 from dsv3_rl.correctness.report import LayoutResult
-from dsv3_rl.ports import free_port
+from dsv3_rl.correctness.spec import resolve_spec, tf32_off
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -57,6 +58,8 @@ class Options:
     """preset keys to override for that mini model (e.g. num_hidden_layers)"""
     calibrate: bool = False
     """also compare transformers in bf16 against the fp32 reference (bf16's own error, not counted)"""
+    spec: str = "auto"
+    """megatron layer spec of the candidate: te (Transformer Engine), local, or auto (te where TE imports)"""
     worker_timeout: int = 1800
 
 
@@ -88,7 +91,10 @@ def launch(spec: dict, log_dir: Path, nproc: int, pythonpath: Path | None, timeo
     if nproc == 1:
         cmd = [sys.executable, "-m", "dsv3_rl.correctness.worker"]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={free_port()}",
+        # --standalone: torchrun binds its rendezvous port itself (port 0). A port chosen here and bound later by
+        # torchrun raced with the launches of other suites run beside this one: on the 4-GPU box (2026-11-26) every
+        # job of two lanes died on "EADDRINUSE" (docs/correctness.md)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                "-m", "dsv3_rl.correctness.worker"]
     cmd += ["--spec", str(spec_path)]
     try:
@@ -109,6 +115,17 @@ def _free_gpu() -> None:
         torch.cuda.empty_cache()
 
 
+def first_error(text: str) -> str:
+    """The first line of a worker's output that names an exception or an error (what killed it), else the last
+    non-empty line: torchrun's own summary ("ChildFailedError ... error_file: <N/A>") says nothing about why."""
+    lines = [ln.strip() for ln in (text or "").splitlines() if ln.strip()]
+    for ln in lines:
+        if re.match(r"^(\[rank\d+\]:?\s*)?([\w.]+(Error|Exception|Interrupt)\b|error:)", ln) \
+                and "ChildFailedError" not in ln and "warn" not in ln.lower():
+            return ln[:400]
+    return lines[-1][:400] if lines else "no output"
+
+
 def _tail(text: str, n: int = 30) -> str:
     lines = [ln for ln in (text or "").splitlines() if "warn" not in ln.lower() and ln.strip()]
     return "\n".join(lines[-n:])
@@ -121,23 +138,24 @@ def build_mini_model(out: Path, preset: str, dtype: str, overrides: dict | None 
                             overwrite=True)
 
 
-def init_checkpoint(hf_config, path: Path, dtype: torch.dtype) -> None:
+def init_checkpoint(hf_config, path: Path, dtype: torch.dtype, use_te: bool | None = None) -> None:
     """Random megatron weights (``reference="mcore"``), initialised like any layout would."""
     from dsv3_rl.convert.config_map import Parallel
     from dsv3_rl.mcore import layout_check, runtime
 
     with assemble.single_process_megatron():
-        layout_check.save(runtime.build_model(hf_config, Parallel(), dtype=dtype), path)
+        layout_check.save(runtime.build_model(hf_config, Parallel(), dtype=dtype, use_te=use_te), path)
 
 
-def edit_checkpoint(hf_config, src: Path, dst: Path, dtype: torch.dtype, edit) -> list[str]:
-    """Copy a megatron dist checkpoint through a single-process model, applying ``edit`` to its
-    full (TP1-named) state dict in place; returns the names ``edit`` changed."""
+def edit_checkpoint(hf_config, src: Path, dst: Path, dtype: torch.dtype, edit, use_te: bool | None = None) -> list[str]:
+    """Copy a megatron dist checkpoint through a single-process model (of the layer spec the workers
+    use: the copy holds that spec's tensor names), applying ``edit`` to its full (TP1-named) state dict
+    in place; returns the names ``edit`` changed."""
     from dsv3_rl.convert.config_map import Parallel
     from dsv3_rl.mcore import layout_check, runtime
 
     with assemble.single_process_megatron():
-        chunks = runtime.build_model(hf_config, Parallel(), dtype=dtype)
+        chunks = runtime.build_model(hf_config, Parallel(), dtype=dtype, use_te=use_te)
         layout_check.load(chunks, src)
         sd = chunks[0].state_dict(keep_vars=True)
         with torch.no_grad():
@@ -171,7 +189,8 @@ class Suite:
         if o.dtype not in DTYPES:
             raise ValueError(f"dtype {o.dtype!r}: allowed {', '.join(DTYPES)}")
         self.o, self.out = o, out
-        data.no_tf32()
+        self.spec = resolve_spec(o.spec)
+        tf32_off(o.dtype, out)
         self.dtype = DTYPES[o.dtype]
         self.tol = compare.TOLERANCES[o.dtype]
         self.t_start = time.time()
@@ -192,6 +211,7 @@ class Suite:
         torch.save(self.batch, self.work / "batch.pt")
         self._weights: dict[str | None, Path] = {}
         self._refs: dict[tuple, tuple] = {}
+        self._variants: dict[tuple, Suite] = {}
         self.calibration: list[LayoutResult] = []
 
     # -- configs, weights, references ------------------------------------------------------------
@@ -223,10 +243,11 @@ class Suite:
                 w = self.work / "mcore_init"
                 if not (w / "metadata.json").exists():
                     self.out("Initialising random megatron weights (reference: megatron single process) ...")
-                    init_checkpoint(self.base_config, w, self.dtype)
+                    init_checkpoint(self.base_config, w, self.dtype, use_te=self.spec == "te")
         else:
             w = self.work / f"weights_{fault.name}"
-            changed = edit_checkpoint(self.base_config, self.weights(None), w, self.dtype, fault.weight_edit)
+            changed = edit_checkpoint(self.base_config, self.weights(None), w, self.dtype, fault.weight_edit,
+                                      use_te=self.spec == "te")
             self.out(f"Planted fault {fault.name}: edited {len(changed)} tensor(s) of the converted checkpoint "
                      f"({', '.join(changed[:4])}{'...' if len(changed) > 4 else ''})")
         self._weights[key] = w
@@ -262,9 +283,42 @@ class Suite:
                                       **(dict(f.mcore_config_overrides) if f else {})},
                     hf_config_overrides=self.cand_hf_overrides(f))
 
+    def variant_key(self, lay: Layout) -> tuple:
+        """The mini-model variant a layout runs on: () for the suite's own model (always with --hf-model-path)."""
+        return () if self.o.hf_model_path else tuple(lay.model_overrides)
+
+    def variant(self, key: tuple) -> Suite:
+        """A suite on the variant ``key`` of the random model (its own HF model, conversion and reference),
+        in a sub-directory of this one's work dir."""
+        if key not in self._variants:
+            tag = "".join(f"-{k}{v}" for k, v in key)
+            o = dataclasses.replace(self.o, preset_overrides={**self.o.preset_overrides, **dict(key)}, weights=None,
+                                    work=str(self.work / f"variant{tag}"), json_out=None, calibrate=False)
+            self.out(f"Layouts on a variant of the model ({', '.join(f'{k}={v}' for k, v in key)}): {o.work}")
+            self._variants[key] = Suite(o, self.out)
+        return self._variants[key]
+
     def execute(self, cands: list[Candidate], show: bool = True) -> list[LayoutResult]:
-        """Run all candidates (grouped into one launch per world size and megatron tree) and compare."""
+        """Run all candidates (grouped per model variant, then into one launch per world size and megatron
+        tree) and compare."""
+        groups: dict[tuple, list[int]] = {}
+        for i, c in enumerate(cands):
+            groups.setdefault(self.variant_key(c.layout), []).append(i)
+        if list(groups) == [()]:
+            return self._execute(cands, show)
+        results: list = [None] * len(cands)
+        for key, idx in groups.items():
+            suite = self.variant(key) if key else self
+            for i, r in zip(idx, suite._execute([cands[i] for i in idx], show), strict=True):
+                results[i] = r
+        return results
+
+    def _execute(self, cands: list[Candidate], show: bool = True) -> list[LayoutResult]:
         o = self.o
+        for c in cands:
+            if c.fault and c.fault.needs_te and self.spec != "te":
+                raise ValueError(f"planted fault {c.fault.name} needs the Transformer Engine spec (--spec te), "
+                                 f"this run is on the {self.spec} spec")
         if o.reference == "mcore" and any(c.fault and c.fault.candidate_ignores_hf_overrides for c in cands):
             raise ValueError("fault rope-interleave-false-unchecked needs the HF reference (reference=hf)")
         pre: dict[int, list[Check]] = {}
@@ -304,7 +358,7 @@ class Suite:
         seconds: dict[int, float] = {}
         for (world, tree), members in groups.items():
             spec = dict(hf_config=str(self.hf_path), batch=str(self.work / "batch.pt"),
-                        micro_batch_size=o.micro_batch_size, dtype=o.dtype,
+                        micro_batch_size=o.micro_batch_size, dtype=o.dtype, use_te=self.spec == "te",
                         jobs=[self.job(c, d) for _, c, d in members])
             names = ", ".join(c.label for _, c, _ in members)
             self.out(f"Running megatron-core ({world} process{'es' if world > 1 else ''}"
@@ -320,7 +374,8 @@ class Suite:
             if not (ref_out / "done.json").exists():
                 raise RuntimeError(f"the megatron reference run failed (rc {r.returncode}):\n{_tail(r.stderr)}")
             rec, info = assemble.assemble(ref_out, o.batch_size, o.seq_length)
-            self._refs[("mcore",)] = (rec, info, assemble.full_grads(self.base_config, ref_out / "grads"))
+            self._refs[("mcore",)] = (rec, info, assemble.full_grads(self.base_config, ref_out / "grads",
+                                                                     use_te=self.spec == "te"))
 
         results = []
         for i, c in enumerate(cands):
@@ -335,7 +390,9 @@ class Suite:
                     shutil.rmtree(d / "grads", ignore_errors=True)
                     shutil.rmtree(d / "grads_hf", ignore_errors=True)
             res = LayoutResult(c.label, c.layout.describe() + (f" + PLANTED FAULT {c.fault.name}" if c.fault else ""),
-                               checks, seconds.get(i, 0.0) + time.time() - t0, log)
+                               checks, seconds.get(i, 0.0) + time.time() - t0, log,
+                               known_fail=c.layout.known_fail if c.fault is None and c.layout.expected_to_fail(self.spec)
+                               else "")
             results.append(res)
             if show:
                 self.out(report.format_layout(res, self.reference_name, o.debug))
@@ -350,9 +407,9 @@ class Suite:
         if (d / "refused.txt").exists():
             return [Check("Config", "megatron-core builds the model", False, detail=(d / "refused.txt").read_text())]
         if not (d / "done.json").exists():
-            return [Check("Layout", f"worker ran ({c.layout.world} processes)", False,
-                          detail=f"exit status {r.returncode}; log: {r.args[-1] if r.args else ''}; "
-                                 f"{_tail(r.stderr, 3)}")]
+            return [Check("Layout", f"{report.CRASH_CHECK} ({c.layout.world} processes)", False,
+                          detail=f"exit status {r.returncode}; {first_error((r.stdout or '') + (r.stderr or ''))}; "
+                                 f"log: {Path(r.args[-1]).parent / 'worker.log' if r.args else ''}")]
         try:
             if o.reference == "hf":
                 ref_rec, ref_info, ref_grads = self.hf_reference(dict(c.fault.hf_config_overrides) if c.fault else {})
@@ -364,7 +421,7 @@ class Suite:
                 grads = bridge.grads_to_hf(d / "grads", d / "grads_hf", self.hf_path)
                 grads = {k: v for k, v in grads.items() if k in ref_grads or not k.endswith("e_score_correction_bias")}
             else:
-                grads = assemble.full_grads(cand_cfg, d / "grads")
+                grads = assemble.full_grads(cand_cfg, d / "grads", use_te=self.spec == "te")
         except (Exception, CheckpointException) as e:  # noqa: BLE001 -- any failure here is this layout's FAIL, named
             return [Check("Layout", "results reassembled and mapped", False,
                           detail=f"{type(e).__name__}: {str(e)[:500]}")]
@@ -393,7 +450,14 @@ class Suite:
                     batch_size=o.batch_size, seq_length=o.seq_length, micro_batch_size=o.micro_batch_size,
                     dtype=o.dtype, reference=("transformers DeepseekV3ForCausalLM (fp32)" if o.reference == "hf"
                                               else "megatron-core single process (tp1)"),
-                    backend=backend, torch=torch.__version__, **(extra or {}))
+                    backend=backend, torch=torch.__version__, spec=self.spec, te=self.te_version(), **(extra or {}))
+
+    def te_version(self) -> str | None:
+        if self.spec != "te":
+            return None
+        import transformer_engine
+
+        return transformer_engine.__version__
 
     def close(self) -> None:
         if self.own_work and not self.o.keep_work:
@@ -409,7 +473,11 @@ def run_suite(o: Options, out: Callable[[str], None] = print) -> int:
     status: 0 overall PASS, 1 FAIL."""
     fault = faults.get(o.fault) if o.fault else None
     lays = _layouts(o)
-    if fault and fault.needs_tp and not any(lay.tp > 1 for lay in lays):
+    if fault and fault.needs_te and resolve_spec(o.spec) != "te":
+        raise ValueError(f"planted fault {fault.name} needs the Transformer Engine spec (--spec te)")
+    if fault and fault.layout and fault.layout not in [lay.name for lay in lays]:
+        lays.append(layouts.get(fault.layout))
+    elif fault and fault.needs_tp and not any(lay.tp > 1 for lay in lays):
         lays.append(layouts.get("tp2_sp"))
     suite = Suite(o, out)
     try:
@@ -420,10 +488,10 @@ def run_suite(o: Options, out: Callable[[str], None] = print) -> int:
         for c in suite.calibration:
             out(report.format_layout(c, suite.reference_name, o.debug))
         out(report.format_summary(results))
-        overall = bool(results) and all(r.passed for r in results)
-        out(f"correctness: {len(results)} layout(s), {sum(len(r.checks) for r in results)} checks, "
-            f"{sum(not c.passed for r in results for c in r.checks)} failed, {time.time() - suite.t_start:.1f} s: "
-            f"{'PASS' if overall else 'FAIL'}")
+        overall = report.overall(results)
+        out(f"correctness (spec {suite.spec}, {o.dtype}): {len(results)} layout(s), {sum(len(r.checks) for r in results)} "
+            f"checks, {sum(not c.passed for r in results for c in r.checks)} failed, {time.time() - suite.t_start:.1f} s: "
+            f"{report.verdict(results)}")
         if o.json_out:
             report.write_json(Path(o.json_out), meta, suite.tol, results + suite.calibration)
         return 0 if overall else 1
@@ -431,20 +499,46 @@ def run_suite(o: Options, out: Callable[[str], None] = print) -> int:
         suite.close()
 
 
-def run_fault_matrix(o: Options, fault_names: list[str] | None = None, out: Callable[[str], None] = print) -> int:
-    """Clean run + every planted fault (each at ``o.layouts[0]``, a TP>1 layout for TP faults):
-    exit 0 iff every clean run PASSes and every fault FAILs."""
-    names = fault_names or [n for n in faults.FAULTS
-                            if o.reference == "hf" or not faults.FAULTS[n].candidate_ignores_hf_overrides]
+def fault_candidates(o: Options, names: list[str], spec: str, each_layout: bool = False) -> list[Candidate]:
+    """The runs of :func:`run_fault_matrix`: the clean twins first, then every fault where it is planted."""
     base = _layouts(o)[0] if o.layouts else layouts.get("tp1")
     tp_layout = base if base.tp > 1 else layouts.get("tp2_sp")
-    cands = []
-    for lay in dict.fromkeys([base] + ([tp_layout] if any(faults.get(n).needs_tp for n in names) else [])):
-        cands.append(Candidate(f"clean@{lay.name}", lay))
+
+    every = _layouts(o) if each_layout and o.layouts else [base]
+    # with each_layout, faults go where the clean run is expected to PASS (a documented failure fails anyway)
+    # and where the model has what they break (MoE faults skip all-dense model variants)
+    plantable = [lay for lay in every if not lay.expected_to_fail(spec)] if each_layout else every
+
+    def where(f: Fault) -> list[Layout]:
+        if f.layout:
+            return [layouts.get(f.layout)]
+        fit = [lay for lay in plantable if not (f.needs_moe and lay.dense_model)]
+        if f.needs_tp:
+            return [lay for lay in fit if lay.tp > 1] or [tp_layout]
+        return fit
+
+    cands = [Candidate(f"clean@{lay.name}", lay)
+             for lay in dict.fromkeys(every + [lay for n in names for lay in where(faults.get(n))])]
     for n in names:
         f = faults.get(n)
-        lay = tp_layout if f.needs_tp else base
-        cands.append(Candidate(f"{n}@{lay.name}", lay, f))
+        cands += [Candidate(f"{n}@{lay.name}", lay, f) for lay in where(f)]
+    return cands
+
+
+def run_fault_matrix(o: Options, fault_names: list[str] | None = None, out: Callable[[str], None] = print,
+                     each_layout: bool = False) -> int:
+    """Clean run + every planted fault (each at ``o.layouts[0]``, a TP>1 layout for TP faults, a fault's own
+    layout where it names one; with ``each_layout`` at every layout of ``o.layouts``, TP faults at those with
+    TP > 1): exit 0 iff every clean run PASSes (or fails as documented: XFAIL) and every fault FAILs."""
+    spec = resolve_spec(o.spec)
+    names = fault_names or [n for n in faults.FAULTS
+                            if (o.reference == "hf" or not faults.FAULTS[n].candidate_ignores_hf_overrides)
+                            and (spec == "te" or not faults.FAULTS[n].needs_te)]
+    for n in names:
+        if faults.get(n).needs_te and spec != "te":
+            raise ValueError(f"planted fault {n} needs the Transformer Engine spec (--spec te): on the {spec} spec "
+                             f"the patch it reverts changes nothing")
+    cands = fault_candidates(o, names, spec, each_layout)
     suite = Suite(o, out)
     try:
         meta = suite.meta(dict(layouts=sorted({c.layout.name for c in cands}), fault="matrix",
@@ -454,11 +548,12 @@ def run_fault_matrix(o: Options, fault_names: list[str] | None = None, out: Call
         rows = []
         ok_all = True
         for c, r in zip(cands, results, strict=True):
-            expect = "FAIL" if c.fault else "PASS"
-            got = "PASS" if r.passed else "FAIL"
-            ok = expect == got
-            ok_all &= ok
+            expect = "FAIL" if c.fault else ("XFAIL" if r.known_fail else "PASS")
+            got = r.status
             failing = [ch for ch in r.checks if not ch.passed]
+            # a planted fault is caught by a failing check, not by a run that crashed before comparing anything
+            ok = (not r.passed and not r.crashed) if c.fault else r.ok
+            ok_all &= ok
             what = "; ".join(ch.name for ch in failing[:3]) + (f" (+{len(failing) - 3} more)" if len(failing) > 3 else "")
             rows.append((c.label, expect, got, len(failing), "ok" if ok else "WRONG", what))
         w = max(len(r[0]) for r in rows)
@@ -469,7 +564,8 @@ def run_fault_matrix(o: Options, fault_names: list[str] | None = None, out: Call
         out("")
         out("============= Overall Result =============")
         out("PASS" if ok_all else "FAIL")
-        out(f"correctness faults: {len(names)} planted fault(s), {len(cands) - len(names)} clean run(s), "
+        out(f"correctness faults (spec {suite.spec}, {o.dtype}): {len(cands) - sum(c.fault is not None for c in cands)} "
+            f"clean run(s), {sum(c.fault is not None for c in cands)} with a planted fault ({len(names)} kind(s)), "
             f"{time.time() - suite.t_start:.1f} s: {'every fault caught' if ok_all else 'NOT every fault caught'}")
         if o.json_out:
             report.write_json(Path(o.json_out), meta, suite.tol, results)

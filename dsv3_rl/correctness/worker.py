@@ -52,7 +52,7 @@ def run_job(spec: dict, job: dict, batch: dict) -> None:
         setattr(hf_config, k, v)
     parallel = layout
     runtime.init_distributed(parallel, seed=1234)
-    chunks = runtime.build_model(hf_config, parallel, dtype=DTYPES[spec["dtype"]],
+    chunks = runtime.build_model(hf_config, parallel, dtype=DTYPES[spec["dtype"]], use_te=spec.get("use_te"),
                                  config_overrides=job.get("config_overrides") or None)
     layout_check.load(chunks, Path(job["weights"]))
     chunks = runtime.wrap_ddp(chunks)

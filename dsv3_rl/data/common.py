@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from dsv3_rl.cliargs import add_out, alias
+from dsv3_rl.cliargs import add_out, alias, env_flag, fraction, positive_int
 from dsv3_rl.errors import Dsv3Error
 from dsv3_rl.fs import atomic_path, replace_dir, sha256_file, write_text_atomic
 
@@ -179,7 +179,7 @@ def read_parquet_rows(path: Path, spec: DatasetSpec) -> list[dict]:
 def fetch_from_hub(spec: DatasetSpec, splits: Sequence[str], hub_name: str | None) -> dict[str, list[dict]]:
     """Rows per split from the Hugging Face Hub (needs network; cached by ``datasets``)."""
     name = hub_name or spec.hub_name
-    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
+    if env_flag("HF_HUB_OFFLINE"):
         raise DataPrepError(
             f"no --input-dir given and HF_HUB_OFFLINE is set, so {name} cannot be fetched. {spec.download_hint}"
         )
@@ -393,15 +393,15 @@ def add_arguments(ap: argparse.ArgumentParser, spec: DatasetSpec) -> None:
         "--hub-name", default=None, help=f"hub dataset to fetch without --input-dir (default {spec.hub_name})"
     )
     ap.add_argument("--splits", default="train,test", help="comma-separated splits to convert (default train,test)")
-    ap.add_argument("--train-size", type=int, default=None, help="sample this many train rows (default: all)")
-    ap.add_argument("--test-size", type=int, default=None, help="sample this many test rows (default: all)")
+    ap.add_argument("--train-size", type=positive_int, default=None, help="sample this many train rows (default: all)")
+    ap.add_argument("--test-size", type=positive_int, default=None, help="sample this many test rows (default: all)")
     ap.add_argument("--seed", type=int, default=42, help="seed for sampling / shuffling")
     ap.add_argument("--shuffle", action="store_true", help="shuffle output rows (default: source order)")
     ap.add_argument("--tokenizer", default=None, help="tokenizer dir / hub id / tokenizer.json for length filtering")
     ap.add_argument("--trust-remote-code", action="store_true", help="passed to AutoTokenizer.from_pretrained")
     ap.add_argument(
         "--max-prompt-length",
-        type=int,
+        type=positive_int,
         default=None,
         help="drop prompts longer than this many tokens (chat template applied, as verl counts); needs --tokenizer",
     )
@@ -416,7 +416,7 @@ def add_arguments(ap: argparse.ArgumentParser, spec: DatasetSpec) -> None:
     ap.add_argument("--data-source", default=None, help=f"data_source to write (default {spec.data_source})")
     ap.add_argument(
         "--max-bad-frac",
-        type=float,
+        type=fraction,
         default=0.01,
         help="fail if more than this fraction of a split is unusable (e.g. no boxed answer); default 0.01",
     )
@@ -429,12 +429,6 @@ def check_args(args: argparse.Namespace) -> list[str]:
     bad = [s for s in splits if s not in SPLITS]
     if not splits or bad:
         raise DataPrepError(f"--splits {args.splits!r}: allowed values are {', '.join(SPLITS)}")
-    for name in ("train_size", "test_size", "max_prompt_length"):
-        v = getattr(args, name)
-        if v is not None and v <= 0:
-            raise DataPrepError(f"--{name.replace('_', '-')} must be a positive integer, got {v}")
-    if not 0.0 <= args.max_bad_frac <= 1.0:
-        raise DataPrepError(f"--max-bad-frac must be in [0, 1], got {args.max_bad_frac}")
     if (args.max_prompt_length or args.apply_chat_template) and not args.tokenizer:
         raise DataPrepError("--max-prompt-length / --apply-chat-template need --tokenizer")
     if "\\boxed" not in (args.instruction or ""):
@@ -492,8 +486,7 @@ def run(spec: DatasetSpec, args: argparse.Namespace) -> dict:
     records = {sp: convert_split(sp, labelled[sp], spec, args, tokenizer, reports[sp]) for sp in splits}
     # Every output of the run is written to a staging sibling and swapped in at once (commit_staged):
     # a failure (bad row, disk full, read-only, interrupt) leaves the previous run as it was, never a mix.
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.staging-", dir=out_dir.parent))
+    staging = make_staging(out_dir)
     try:
         for sp in splits:
             path = staging / f"{sp}.parquet"
@@ -516,18 +509,36 @@ SUMMARY = "prep_summary.json"
 OUTPUTS = tuple(f"{sp}.parquet" for sp in SPLITS) + (SUMMARY,)
 
 
-def commit_staged(staging: Path, out_dir: Path) -> None:
-    """Make STAGING's outputs the contents of OUT_DIR, replacing the previous run's OUTPUTS.
+def make_staging(out_dir: Path) -> Path:
+    """A new empty staging directory beside OUT_DIR (creating OUT_DIR's parent), with the permissions a plain
+    ``mkdir`` gives (mkdtemp's 0700 would become OUT_DIR's when it is swapped in)."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.staging-", dir=out_dir.parent))
+    mask = os.umask(0o022)
+    os.umask(mask)
+    os.chmod(staging, 0o777 & ~mask)
+    return staging
 
-    OUT_DIR absent or holding only OUTPUTS: one directory swap. Otherwise (the user keeps other files
+
+def commit_staged(staging: Path, out_dir: Path, outputs: Sequence[str] = OUTPUTS) -> None:
+    """Make STAGING's outputs the contents of OUT_DIR, replacing the previous run's OUTPUTS (the names a
+    run of the tool writes; every data tool, ``synthetic`` included, commits through here).
+
+    An OUTPUTS name in OUT_DIR that is not a file (a directory of the user's) is refused before anything
+    moves. OUT_DIR absent or holding only OUTPUTS: one directory swap. Otherwise (the user keeps other files
     there, which are left untouched) the previous outputs are moved aside, then the new ones moved in:
     renames only, nothing to write, so it cannot run out of space half-way."""
-    if not out_dir.exists() or all(p.name in OUTPUTS for p in out_dir.iterdir()):
+    for name in outputs:
+        p = out_dir / name
+        if p.exists() and not p.is_file():
+            raise DataPrepError(f"{p}: not a file, so this run's {name} cannot replace it; nothing was replaced "
+                                f"(move it away, or choose another --out)")
+    if not out_dir.exists() or all(p.name in outputs for p in out_dir.iterdir()):
         replace_dir(staging, out_dir)
         return
     old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
     old.mkdir()
-    for name in OUTPUTS:
+    for name in outputs:
         if (out_dir / name).exists():
             os.replace(out_dir / name, old / name)
     for p in staging.iterdir():

@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import argparse
 import random
+import shutil
 import sys
 from pathlib import Path
+
 from dsv3_rl.cliargs import add_out, one_path
+from dsv3_rl.data.common import DataPrepError, commit_staged, make_staging
 from dsv3_rl.errors import cli_main
-from dsv3_rl.fs import atomic_path
 
 TEMPLATES = (
     "What is ${d}$ plus zero?",
@@ -39,6 +41,8 @@ TEMPLATES = (
 DIGITS = tuple(range(1, 10))
 HELD_OUT_PER_DIGIT = 2
 TYPE = "Identity arithmetic (synthetic)"
+#: what one run writes into OUT_DIR/data (all of it is replaced at once)
+FILES = tuple(f"{split}-00000-of-00001.parquet" for split in ("train", "test"))
 
 
 def rows(seed: int = 0) -> tuple[list[dict], list[dict]]:
@@ -64,17 +68,27 @@ def rows(seed: int = 0) -> tuple[list[dict], list[dict]]:
 
 
 def write(out_dir: str | Path, seed: int = 0) -> Path:
-    """Write OUT_DIR/data/{train,test}-00000-of-00001.parquet (MATH-lighteval layout), atomically per file."""
+    """Write OUT_DIR/data/{train,test}-00000-of-00001.parquet (MATH-lighteval layout). Both files are written
+    into a staging directory beside OUT_DIR/data and swapped in at once (``commit_staged``, the rule of every
+    data tool): a failure or an interrupt leaves the previous output as it was, never a new train beside an
+    old test; other files in OUT_DIR/data are kept."""
 
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    data = Path(out_dir) / "data"
-    data.mkdir(parents=True, exist_ok=True)
-    for split, rs in zip(("train", "test"), rows(seed)):
-        with atomic_path(data / f"{split}-00000-of-00001.parquet") as tmp:
-            pq.write_table(pa.Table.from_pylist(rs), tmp)
-    return Path(out_dir)
+    out_dir = Path(out_dir)
+    data = out_dir / "data"
+    for p in (out_dir, data):
+        if p.exists() and not p.is_dir():
+            raise DataPrepError(f"--out {out_dir}: {p} exists and is not a directory")
+    staging = make_staging(data)
+    try:
+        for name, rs in zip(FILES, rows(seed), strict=True):
+            pq.write_table(pa.Table.from_pylist(rs), staging / name)
+        commit_staged(staging, data, FILES)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out_dir
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:

@@ -176,6 +176,9 @@ def check_metrics(steps: list[dict[str, Any]], expected_steps: int, tol: dict[st
                      ("; ".join(worst[:4]) + f" (limits: mean |p_vllm - p_megatron| <= {lim}, pearson >= {rmin})") if worst else
                      f"mean |p_vllm - p_megatron| <= {max(means):.3g} (<= {lim}), pearson >= {min(rs):.4f} (>= {rmin}) "
                      f"at all {len(train)} steps; max per token {max(maxes):.2g}"))
+    from dsv3_rl.grpo.off_policy import run_checks  # trainer_mode (staleness) and algorithm (DAPO) checks, issue 27
+
+    out += run_checks(train, tol)
     if tol.get("router_replay") == "R3":
         out.append(check_router_replay(train, float(tol["route_agreement_min"])))
     learning = tol.get("learning")
@@ -255,13 +258,17 @@ def _load_plain(ckpt_dir: Path) -> dict:
 
 
 def find_saved_model(ckpt_root: Path, step: int) -> Path:
-    """The actor's model dist checkpoint that verl saved at ``step`` under ``trainer.default_local_dir``."""
-    base = ckpt_root / f"global_step_{step}" / "actor"
-    cands = [p.parent for p in base.rglob("metadata.json")] if base.is_dir() else []
-    model = [p for p in cands if "optim" not in p.as_posix()]
-    if not model:
-        raise CheckError(f"no model dist checkpoint under {base} (found {[str(p) for p in cands]})")
-    return sorted(model, key=lambda p: len(p.parts))[0]
+    """The actor's model dist checkpoint that verl saved at ``step`` under ``trainer.default_local_dir``, found by
+    verl's own layout (``actor/ckpt_contents.json``, else ``actor/model/dist_ckpt``), not by searching: an
+    ``optimizer/`` or ``extra/`` dist checkpoint is never taken for the model, whatever order a file system lists."""
+    from dsv3_rl.launch.ckpt import model_dir
+
+    step_dir = ckpt_root / f"global_step_{step}"
+    d = model_dir(step_dir)
+    if not (d / "metadata.json").is_file():
+        found = sorted(str(p.parent) for p in (step_dir / "actor").rglob("metadata.json")) if step_dir.is_dir() else []
+        raise CheckError(f"no model dist checkpoint at {d} (verl's layout; dist checkpoints under {step_dir}: {found})")
+    return d
 
 
 _TE_NORM_SUFFIXES = (".layer_norm_weight", ".layer_norm_bias")

@@ -9,9 +9,11 @@ read with :func:`dsv3_rl.grpo.checks.read_metrics` (the follower merges records 
 
 from __future__ import annotations
 
+import datetime
 import io
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -172,6 +174,72 @@ class MetricsFollower:
                 self._tail = b""
         return self._emit(list(self._pending))
 
+
+
+# ------------------------------------------------------------------------------------- start-up
+
+#: milestones of a main_ppo start-up in verl 0.9.1's log (each line carries the time it was written): (what the
+#: time up to it was spent on, text of the line). The first timestamped line of the attempt (main_ppo imported)
+#: is the start; each phase runs from the milestone before it. Every phase but the weight sync is mostly new
+#: processes importing torch/verl/megatron/vLLM (10-25 s each on 2 busy cores).
+STARTUP_MARKS = (
+    ("Ray", "Started a local Ray instance"),                                    # ray.init in the driver
+    ("trainer + data", "train and validate dataloader initialized"),           # TaskRunner actor, imports, datasets
+    ("Megatron workers", "actor and ref model engine initialized"),            # 2 WorkerDicts: model built + ckpt loaded
+    ("vLLM engines", "checkpoint engine manager initialized"),                 # 2 x (server, EngineCore, worker)
+    ("first weight sync", "update_weights done"),                              # trainer -> vLLM before step 1
+    ("agent loop", "Passing raw prompts to InputProcessor"),                   # load balancer + agent loop worker up,
+)                                                                              # first request (validation) reaches vLLM
+_LOG_TIME = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3})")            # verl's and Ray's loggers
+_VLLM_TIME = re.compile(r"\b(?:DEBUG|INFO|WARNING|ERROR) (\d\d-\d\d \d\d:\d\d:\d\d) \[")  # vLLM's: no year, no ms
+ATTEMPT_HEADER = f"===== {PREFIX} attempt:"
+
+
+def _log_time(line: str, year: str | None) -> float | None:
+    m = _LOG_TIME.search(line)
+    if m is not None:
+        return datetime.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S").timestamp() + int(m.group(2)) / 1000
+    m = _VLLM_TIME.search(line) if year else None
+    if m is not None:
+        return datetime.datetime.strptime(f"{year}-{m.group(1)}", "%Y-%m-%d %H:%M:%S").timestamp()
+    return None
+
+
+def startup_phases(log_text: str) -> list[tuple[str, float]]:
+    """``[(phase, seconds)]`` of the last attempt in a main_ppo.log (:data:`STARTUP_MARKS`, in order; a phase
+    whose milestone is missing is left out and the next one counts from the last one found)."""
+    text = log_text[log_text.rfind(ATTEMPT_HEADER) + 1:] if ATTEMPT_HEADER in log_text else log_text
+    start, year, seen = None, None, {}
+    for line in text.splitlines():
+        t = _log_time(line, year)
+        if t is None:
+            continue
+        if start is None:
+            start, year = t, datetime.datetime.fromtimestamp(t).strftime("%Y")
+        for name, needle in STARTUP_MARKS:
+            if name not in seen and needle in line:
+                seen[name] = t
+    out, prev = [], start
+    for name, _ in STARTUP_MARKS:
+        if name in seen and prev is not None:
+            out.append((name, max(0.0, seen[name] - prev)))
+            prev = seen[name]
+    return out
+
+
+def startup_line(log_path: str | Path) -> str | None:
+    """One line with the start-up phases of the run logged in LOG_PATH, e.g. ``[dsv3-grpo] start-up 154s after
+    main_ppo's imports: Ray 9s, trainer + data 41s, Megatron workers 32s, vLLM engines 53s, first weight sync 2s,
+    agent loop 14s`` (validation before training and the steps follow); None when the log has none of the
+    milestones (a run that died before Ray came up)."""
+    try:
+        phases = startup_phases(Path(log_path).read_text(errors="replace"))
+    except OSError:
+        return None
+    if not phases:
+        return None
+    return (f"{PREFIX} start-up {sum(s for _, s in phases):.0f}s after main_ppo's imports: "
+            + ", ".join(f"{n} {s:.0f}s" for n, s in phases))
 
 # ------------------------------------------------------------------------------------------ plots
 

@@ -335,6 +335,9 @@ def planner_check(model: Any, cfg, s: Sizes, gpu: str, options_extra: dict, *, c
             rollout_max_num_batched_tokens=int(g(f"{R}.max_num_batched_tokens") or 8192),
             rollout_quantization=str(g(f"{R}.quantization") or "none"),  # FP8 rollout weights (preset rollout_quantization)
         )
+        from dsv3_rl.launch.train_precision import planner_options  # FP8 training memory (preset train_precision)
+
+        opts.update(planner_options(otc))
         opts.update(options_extra or {})
         rollout = RolloutLayout(tp=s.rollout_tp, dp=s.rollout_dp, ep=s.rollout_ep, gpus=s.world,
                                 gpu_memory_utilization=float(g(f"{R}.gpu_memory_utilization")))

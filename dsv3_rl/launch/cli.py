@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from dsv3_rl.cliargs import add_out
+from dsv3_rl.cliargs import add_out, env_flag
 from dsv3_rl.errors import cli_main
 from dsv3_rl.launch.presets import PresetError, list_presets, load_preset
 from dsv3_rl.fs import write_text_atomic
@@ -33,16 +33,13 @@ from dsv3_rl.fs import write_text_atomic
 COMMANDS = ("run", "check", "list", "show", "check-all", "dlc", "slurm", "platform")
 
 
-def _truthy(v: str | None) -> bool:
-    return (v or "").strip().lower() in ("1", "true", "yes", "on")
-
-
 def _run_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dsv3-launch run", add_help=True,
                                 description="Resolve, validate and run a preset (any other argument is a verl override).")
     p.add_argument("--preset", default=os.environ.get("PRESET"), help="preset name or YAML file (default $PRESET)")
-    p.add_argument("--dry-run", action="store_true", default=_truthy(os.environ.get("DRY_RUN")),
-                   help="resolve and validate everything, print the command, start nothing (also DRY_RUN=1)")
+    p.add_argument("--dry-run", action="store_true", default=env_flag("DRY_RUN"),
+                   help="resolve and validate everything, print the command, start nothing (also DRY_RUN=1; "
+                        "an unrecognised DRY_RUN value is refused)")
     p.add_argument("--allow-missing", action="store_true",
                    help="dry run: missing checkpoint/dataset paths are warnings, not errors")
     g = p.add_mutually_exclusive_group()
@@ -72,6 +69,11 @@ def _force_stages(launch, names: list[str]) -> None:
     for n in names:
         if n not in by_name:
             raise PresetError(f"--force-stage {n!r}: no such stage in this run (stages: {', '.join(by_name)})")
+        status, why = by_name[n].status()
+        if status == "skip":
+            ran = [k for k, st in by_name.items() if st.status()[0] != "skip"]
+            raise PresetError(f"--force-stage {n!r}: this run does not use that stage ({why}); stages it runs: "
+                              f"{', '.join(ran)}")
         by_name[n].force()
 
 
@@ -91,6 +93,8 @@ def _print_launch(launch, *, out=None, full: bool = True) -> None:
     s = launch.sizes
     pr(f"hardware   {ps.hardware_name} ({ps.nodes} node{'s' if ps.nodes > 1 else ''} x {ps.gpus_per_node}"
        f"{' CPU processes' if ps.is_cpu else ' ' + ps.hardware['gpu']})")
+    pr(f"mode       trainer_mode={ps.trainer_mode} algorithm={ps.algorithm} rollout_correction={ps.rollout_correction}"
+       + (f" off_policy={ps.off_policy}" if ps.off_policy else "") + "  (docs/algorithms.md)")
     if s is not None:
         from dsv3_rl.launch.verl_config import select
 
@@ -152,6 +156,7 @@ def cmd_run(argv: list[str]) -> int:
     t0 = time.monotonic()
     launch = _resolve_or_die(args.preset, rest, allow_missing=args.allow_missing and args.dry_run)
     _force_stages(launch, args.force_stage)
+    launch.findings += here_findings(launch, dry_run=args.dry_run)
     _print_launch(launch, full=not args.quiet)
     n_err = len(launch.errors)
     n_warn = sum(f.level == "warning" for f in launch.findings)
@@ -164,6 +169,26 @@ def cmd_run(argv: list[str]) -> int:
               file=sys.stderr)
         return 1
     return execute(launch, stages_only=args.stages_only, skip_stages=args.skip_stages, join_timeout=args.join_timeout)
+
+
+def here_findings(launch, *, dry_run: bool) -> list:
+    """What this machine and this WORK_DIR say about the run: a GPU preset where no GPU is visible (refused; the dry
+    run warns, so that GPU presets still dry-run on a CPU box), and checkpoints of another run in CKPT_DIR."""
+    from dsv3_rl.launch import platform, workdir
+    from dsv3_rl.launch.checks import Finding
+
+    out = []
+    if not launch.preset.is_cpu:
+        n = platform.local_gpus()
+        if n == 0:
+            msg = (f"preset {launch.preset.name} needs {launch.preset.hardware['gpu']} GPUs "
+                   f"({launch.preset.hardware_name}) and this machine has none visible (torch.cuda.device_count() "
+                   f"== 0): a run here is refused before anything starts (Ray would wait for ever for GPU slots)")
+            out.append(Finding("warning" if dry_run else "error", "hardware", msg))
+    why = workdir.identity_mismatch(launch)
+    if why:
+        out.append(Finding("error", "run_dir", why))
+    return out
 
 
 def execute(launch, *, stages_only: bool = False, skip_stages: bool = False, join_timeout: float = 1800.0) -> int:
@@ -215,6 +240,12 @@ def execute(launch, *, stages_only: bool = False, skip_stages: bool = False, joi
         gpus = None if launch.preset.is_cpu else launch.sizes.gpus_per_node
         port = info.ray_port
         if info.is_head:
+            if not stages_only and str(launch.cfg.trainer.get("resume_mode", "auto")) != "disable":
+                from dsv3_rl.launch import ckpt  # the same verification as one node; the scheduler restarts the job
+
+                keep = launch.cfg.trainer.get("max_actor_ckpt_to_keep")
+                ckpt.prepare_resume(launch.paths.ckpt, keep=keep if isinstance(keep, int) else None,
+                                    mode=str(launch.preset.run.get("verify_checkpoints", "digests")))
             spec = ray_cluster.RayNodeSpec(head=True, port=port, head_addr=info.head_addr,
                                            node_ip=env.get("RAY_NODE_IP"), num_gpus=gpus)
             if stages_only:
@@ -243,12 +274,15 @@ def execute(launch, *, stages_only: bool = False, skip_stages: bool = False, joi
 
 def preset_rows() -> list[dict]:
     """One row per preset: model, hardware, trainer and rollout sizes (from the preset files)."""
+    from dsv3_rl.launch.algorithms import rollout_world as world_of_rollout, trainer_world
+
     rows = []
     for name in list_presets():
         p = load_preset(name)
         lay, ro = p.layout, dict(p.rollout)
         tp, pp, cp = int(lay.get("tp", 1)), int(lay.get("pp", 1)), int(lay.get("cp", 1))
-        dp = p.world // (tp * pp * cp) if p.world % (tp * pp * cp) == 0 else "?"
+        world = trainer_world(p)  # off-policy trainer modes: the hardware minus the rollout's pool
+        dp = world // (tp * pp * cp) if world % (tp * pp * cp) == 0 else "?"
         trainer = f"TP{tp} PP{pp} EP{lay.get('ep', 1)}" + (f" ETP{lay['etp']}" if "etp" in lay else "") + f" DP{dp}"
         if lay.get("first_stage_layers") or lay.get("last_stage_layers"):
             trainer += f", first/last {lay.get('first_stage_layers', '-')}/{lay.get('last_stage_layers', '-')}"
@@ -266,6 +300,10 @@ def preset_rows() -> list[dict]:
             rollout += f" @{ro['gpu_memory_utilization']}"
         if p.rollout_quantization != "none":  # rollout_quantization: fp8 (dsv3_rl/launch/rollout_quantization.py)
             rollout += f", {p.rollout_quantization.upper()} weights"
+        if p.trainer_mode != "sync" or p.algorithm != "grpo":  # dsv3_rl/launch/algorithms.py
+            trainer += f" [{p.trainer_mode}, {p.algorithm}]"
+            if p.off_policy:
+                rollout += f" on {world_of_rollout(p)} separate"
         hardware = p.hardware_name
         if p.is_cpu:
             hardware += f" ({p.gpus_per_node} processes)"

@@ -9,6 +9,11 @@ console, a real wall-clock limit, and a teardown that leaves no Ray or vLLM proc
   log's last lines.
 * The limit is checked once a second whatever the child prints: a silent hang is stopped too.
 * SIGINT/SIGTERM to the launcher stop the run the same way and say how to resume.
+* A lost process (:data:`LOST_PATTERNS`: a Ray actor or worker died, the vLLM engine died, an OOM kill, the
+  node's Ray went away) is recognised in the log as it is written: ``RunResult.lost`` says which process, and a
+  run that idles after it (vLLM's ``EngineDeadError`` leaves the trainer waiting for ever) is stopped after
+  ``LOST_GRACE_S`` instead of at ``run.timeout_s`` (GPU presets have none). The launcher decides to restart
+  (:mod:`dsv3_rl.launch.train`).
 * Peak memory is the largest sum of the proportional set size (PSS) over the run's processes, sampled
   every 2 s: shared pages (torch, vLLM libraries) count once, not once per process.
 """
@@ -28,6 +33,83 @@ from pathlib import Path
 RUN_ID_ENV = "DSV3_RUN_ID"
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
+#: log lines that say a process of the run was lost (not a bug of the run itself): (pattern, which process)
+LOST_PATTERNS = (
+    (re.compile(r"EngineDeadError|Engine core proc \S+ died|EngineCore\S* (?:died|encountered a fatal error)"),
+     "the vLLM engine (EngineCore)"),
+    # (not "OOM killer": Ray's text for any dead worker lists it among the possible causes)
+    (re.compile(r"killed due to the node running low on memory|Out of memory: Killed process|"
+                r"Worker exit type: NODE_OUT_OF_MEMORY", re.I), "a process killed for lack of memory (OOM)"),
+    (re.compile(r"The actor is dead because its worker process has died|ActorDiedError|ActorUnavailableError|"
+                r"RayActorError|Worker exit type: SYSTEM_ERROR"), "a Ray worker"),
+    (re.compile(r"GCS has been down|Failed to connect to GCS|raylet (?:has )?died|node .* has been marked dead", re.I),
+     "the node's Ray (GCS/raylet)"),
+)
+_CLASS = re.compile(r"class_name: (?:\S*\.)?(\w+)")  # Ray's ActorDiedError names the dead actor's class
+_WHO = (re.compile(r"ray::(\w+)"), re.compile(r"(EngineCore\w*)"), re.compile(r"\bpid[=: ]+(\d+)", re.I))
+#: Ray's prefix of a forwarded line names the process that *printed* it (the driver reporting a dead worker)
+_RAY_PREFIX = re.compile(r"^\((?:\w+) pid=\d+(?:, ip=[\d.]+)?\)\s*")
+DETAIL_LINES = 150
+"""lines after a lost-process line searched for the process's class name and pid (Ray prints them below it)"""
+LOST_GRACE_S = 30.0
+"""seconds a run may go on after a lost-process line before it is stopped (it usually exits by itself)"""
+
+
+#: lines that match a pattern above but report a deterministic failure (a bug or a config error, not a lost process)
+NOT_LOST = re.compile(r"error raised in its creation task|ValueError|AssertionError|KeyError|TypeError")
+
+
+def _who(line: str) -> tuple[list[str], list[str], list[str]]:
+    """(actor class names, other process names, pids) a log line mentions, Ray's reporter prefix left out."""
+    line = _RAY_PREFIX.sub("", line)
+    found = [m.group(1) for r in _WHO if (m := r.search(line))]
+    return [m.group(1) for m in _CLASS.finditer(line)], [w for w in found if not w.isdigit()], \
+        [w for w in found if w.isdigit()]
+
+
+class LostProcess:
+    """The first lost-process line of a log (:data:`LOST_PATTERNS`) and the name and pid Ray prints below it."""
+
+    def __init__(self):
+        self.what: str | None = None
+        self.classes: list[str] = []
+        self.names: list[str] = []
+        self.pids: list[str] = []
+        self.after = 0
+
+    def feed(self, line: str) -> bool:
+        """Read one log line; True when it is the first lost-process line."""
+        if self.what is None:
+            if NOT_LOST.search(line):
+                return False
+            what = next((w for pat, w in LOST_PATTERNS if pat.search(line)), None)
+            if what is None:
+                return False
+            self.what, self.after = what, DETAIL_LINES
+        elif self.after > 0:
+            self.after -= 1
+        else:
+            return False
+        classes, names, pids = _who(line)
+        self.classes += [n for n in classes if n not in self.classes]
+        self.names += [n for n in names if n not in self.what and n not in self.names]
+        self.pids += [p for p in pids if p not in self.pids]
+        return self.after == DETAIL_LINES
+
+    def __str__(self) -> str:
+        if self.what is None:
+            return ""
+        extra = ", ".join((self.classes or self.names)[:1] + [f"pid {p}" for p in self.pids[:1]])
+        if not extra:
+            return self.what
+        return f"{self.what[:-1]}, {extra})" if self.what.endswith(")") else f"{self.what} ({extra})"
+
+
+def lost_process(line: str) -> str | None:
+    """Which process one log line says was lost ("a Ray worker (WorkerDict, pid 123)"), or None."""
+    lp = LostProcess()
+    return str(lp) if lp.feed(line) else None
+
 
 @dataclasses.dataclass
 class RunResult:
@@ -41,6 +123,12 @@ class RunResult:
     """'timeout', 'interrupted' or '' (it ended by itself)"""
     run_id: str = ""
     """the run marker (``DSV3_RUN_ID``) its processes carried"""
+    lost: str = ""
+    """the lost process the log named first (:func:`lost_process`), '' if none"""
+    lost_at_s: float | None = None
+    """seconds into the run when that line was written"""
+    step_at_s: dict = dataclasses.field(default_factory=dict)
+    """``{step: seconds into the run when its metrics were logged}``"""
 
 
 def run_ids() -> set[str]:
@@ -87,11 +175,13 @@ def pss_bytes(pids: list[int]) -> int:
     return total
 
 
-def stop_run(proc: subprocess.Popen, run_id: str, grace_s: float = 15.0) -> None:
-    """TERM the child's session and every process carrying the run marker, then KILL what is left."""
+def stop_run(proc: subprocess.Popen | None, run_id: str, grace_s: float = 15.0) -> None:
+    """TERM the child's session and every process carrying the run marker, then KILL what is left.
+    PROC None: only the marked processes (an orphaned run whose launcher is gone)."""
     for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
         try:
-            os.killpg(proc.pid, sig)
+            if proc is not None:
+                os.killpg(proc.pid, sig)
         except (ProcessLookupError, PermissionError):
             pass
         for pid in run_processes(run_id):
@@ -101,25 +191,37 @@ def stop_run(proc: subprocess.Popen, run_id: str, grace_s: float = 15.0) -> None
                 pass
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline:
-            if proc.poll() is not None and not run_processes(run_id):
+            if (proc is None or proc.poll() is not None) and not run_processes(run_id):
                 return
             time.sleep(0.2)
-    proc.poll()
+    if proc is not None:
+        proc.poll()
 
 
-def _pump(stream, log_path: Path) -> None:
+def _pump(stream, log_path: Path, lost: dict | None = None, t0: float = 0.0) -> None:
+    tracker = LostProcess()
     with open(log_path, "a", encoding="utf-8", errors="replace") as log:
         for line in stream:
-            log.write(_ANSI.sub("", line))
+            line = _ANSI.sub("", line)
+            log.write(line)
             log.flush()
+            if lost is None or lost.get("closed"):
+                continue
+            if tracker.feed(line):
+                lost.update(at=time.monotonic() - t0, line=line.strip()[:300])
+            if tracker.what is not None:
+                lost["what"] = str(tracker)
 
 
 def run_watched(argv: list[str], env: dict[str, str], *, log_path: Path, metrics_path: Path, total_steps: int,
-                timeout_s: float | None, say=print) -> RunResult:
-    """Run ARGV (main_ppo) to the end, the limit or an interrupt; see the module doc."""
+                timeout_s: float | None, say=print, run_id: str | None = None, on_poll=None,
+                lost_grace_s: float | None = None) -> RunResult:
+    """Run ARGV (main_ppo) to the end, the limit, a lost process or an interrupt; see the module doc.
+    ON_POLL() is called about once a second while it runs (the launcher writes checkpoint manifests there)."""
     from dsv3_rl.grpo.progress import MetricsFollower, progress_line
 
-    run_id = uuid.uuid4().hex
+    run_id = run_id or uuid.uuid4().hex
+    lost_grace_s = LOST_GRACE_S if lost_grace_s is None else lost_grace_s
     env = {**env, RUN_ID_ENV: run_id}
     log_path.parent.mkdir(parents=True, exist_ok=True)
     follower = MetricsFollower(metrics_path)
@@ -134,12 +236,17 @@ def run_watched(argv: list[str], env: dict[str, str], *, log_path: Path, metrics
     reason = ""
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             bufsize=1, start_new_session=True, errors="replace")
-    pump = threading.Thread(target=_pump, args=(proc.stdout, log_path), daemon=True)
+    lost: dict = {}
+    step_at: dict[int, float] = {}
+    pump = threading.Thread(target=_pump, args=(proc.stdout, log_path, lost, t0), daemon=True)
     pump.start()
     try:
         while True:
             for rec in follower.poll():
+                step_at[int(rec.get("step", 0))] = time.monotonic() - t0
                 say(progress_line(rec, total_steps))
+            if on_poll is not None:
+                on_poll()
             now = time.monotonic()
             if now - last_sample >= 2.0:
                 pss = pss_bytes([proc.pid, *run_processes(run_id)])
@@ -154,20 +261,30 @@ def run_watched(argv: list[str], env: dict[str, str], *, log_path: Path, metrics
             if timeout_s is not None and now - t0 > timeout_s:
                 reason = "timeout"
                 break
+            if lost.get("what") and now - t0 - lost["at"] > lost_grace_s:
+                reason = "lost"  # e.g. EngineDeadError: the trainer waits for an engine that is gone
+                break
             time.sleep(1.0)
     finally:
+        if proc.poll() is None:  # we stop it: the teardown's own messages (killed actors) are not the cause
+            lost["closed"] = True
         if proc.poll() is None or run_processes(run_id):
             stop_run(proc, run_id)
         pump.join(timeout=10)
         for s, h in old.items():
             signal.signal(s, h)
     for rec in follower.flush():
+        step_at[int(rec.get("step", 0))] = time.monotonic() - t0
         say(progress_line(rec, total_steps))
+    if lost.get("what") and reason == "" and proc.returncode != 0:
+        reason = "lost"
     if reason == "timeout":
         code = 124
     elif reason == "interrupted":
         code = 128 + int(stop["signal"])
     else:
         code = proc.returncode
+    if reason == "lost" and code == 0:
+        code = 1
     return RunResult(code=code, seconds=time.monotonic() - t0, peak_pss_bytes=peak, peak_at_s=peak_at, reason=reason,
-                     run_id=run_id)
+                     run_id=run_id, lost=lost.get("what", ""), lost_at_s=lost.get("at"), step_at_s=step_at)

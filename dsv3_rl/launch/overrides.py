@@ -23,7 +23,8 @@ OPEN_SUFFIXES = (
     ".override_mcore_model_config", ".engine_kwargs", ".reward_kwargs", ".mbridge_config",
 )
 OPEN_PREFIXES = ("ray_kwargs.ray_init", "reward.custom_reward_function.reward_kwargs",
-                 "custom_reward_function.reward_kwargs", "actor_rollout_ref.model.override_config")
+                 "custom_reward_function.reward_kwargs", "actor_rollout_ref.model.override_config",
+                 "reward.reward_kwargs")  # read by verl's reward managers (dapo: overlong_buffer_cfg, max_resp_len)
 
 
 def node_at(cfg, key: str):

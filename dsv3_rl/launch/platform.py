@@ -160,3 +160,10 @@ def _parse_slurm(env: dict, ray_port: int) -> NodeInfo:
     port = _int(env, "MASTER_PORT", minimum=1) if env.get("MASTER_PORT") else None
     src = tuple(v for v in (n_var, r_var, h_var, g_var) if v)
     return NodeInfo("slurm", nnodes, rank, head, port, gpus, ray_port, src)
+
+
+def local_gpus() -> int:
+    """CUDA GPUs this process can see (``torch.cuda.device_count()``, which honours ``CUDA_VISIBLE_DEVICES``)."""
+    import torch
+
+    return int(torch.cuda.device_count())

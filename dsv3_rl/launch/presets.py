@@ -23,7 +23,7 @@ from typing import Any
 import pydantic
 
 from dsv3_rl.errors import Dsv3Error
-from dsv3_rl.launch import rollout_correction, rollout_quantization, router_replay
+from dsv3_rl.launch import algorithms, rollout_correction, rollout_quantization, router_replay
 from dsv3_rl.layout import RECOMPUTE, Layout
 
 REPO = Path(__file__).resolve().parents[2]
@@ -52,24 +52,41 @@ def _section(name: str, fields: dict[str, Any]) -> type[_Section]:
     return pydantic.create_model(name, __base__=_Section, **{k: (t, None) for k, t in fields.items()})
 
 
+def _num(kind=float, **bounds):
+    """A strict number (no ``"0.97"`` text, no ``true``, no NaN/inf) within BOUNDS (pydantic ``gt``/``ge``/``le``...)."""
+    extra = {"allow_inf_nan": False} if kind is float else {}
+    return typing.Annotated[kind, pydantic.Field(strict=True, **extra, **bounds)]
+
+
+_Count, _Positive, _NonNeg = _num(int, ge=1), _num(float, gt=0), _num(float, ge=0)
+_Fraction = _num(float, gt=0, le=1)  # (0, 1]: a share of memory, an agreement, a correlation that must be positive
+_Str = typing.Annotated[str, pydantic.Field(strict=True)]
+
 #: ``layout``: the fields of :class:`dsv3_rl.layout.Layout`, with its types
 LayoutSection = _section("LayoutSection", {k: t | None for k, t in typing.get_type_hints(Layout).items()})
-RolloutSection = _section("RolloutSection", dict(name=str, tp=int, dp=int, ep=int, gpu_memory_utilization=float))
-RouterSection = _section("RouterSection", dict(bias_update_rate=float, load_balancing_type=str, aux_loss_coeff=float,
-                                               router_dtype=str))
-HardwareSection = _section("HardwareSection", dict(gpu=str, nodes=int, gpus_per_node=int, gpu_memory_gib=float))
+RolloutSection = _section("RolloutSection", dict(name=_Str, tp=_Count, dp=_Count, ep=_Count,
+                                                 gpu_memory_utilization=_Fraction))
+RouterSection = _section("RouterSection", dict(bias_update_rate=_NonNeg, load_balancing_type=_Str,
+                                               aux_loss_coeff=_NonNeg, router_dtype=_Str))
+HardwareSection = _section("HardwareSection", dict(gpu=str, nodes=int, gpus_per_node=int, gpu_memory_gib=_Positive))
 WeightsSection = _section("WeightsSection", dict(source=str, name=str, path=str | None, download=str,
                                                  fp8=bool | str, dist_ckpt=bool))
-DataSection = _section("DataSection", dict(dataset=str, raw=str, train_size=int, test_size=int, length_filter=bool))
+DataSection = _section("DataSection", dict(dataset=str, raw=str, train_size=_Count, test_size=_Count,
+                                           length_filter=bool))
 DlcSection = _section("DlcSection", dict(image=str, worker_cpu=int, worker_memory=Any, worker_shared_memory=Any,
                                          gpu_type=str, priority=int, max_running_minutes=int))
 SlurmSection = _section("SlurmSection", dict(partition=str, time=str, cpus_per_task=int, mem=Any, account=str, qos=str))
-RunSection = _section("RunSection", dict(project=str, experiment=str, timeout_s=Any))
-LearningSection = _section("LearningSection", dict(min_gain=float, window=int, reason_off=str))
+#: ``run``: ``timeout_s`` a wall-clock limit for main_ppo; ``max_restarts`` how often a run that lost a process
+#: (a killed Ray worker, a dead vLLM engine, an OOM kill) is restarted from its last checkpoint (docs/launcher.md);
+#: ``verify_checkpoints`` how a checkpoint is checked before a resume loads it (dsv3_rl.launch.ckpt.VERIFY_MODES)
+RunSection = _section("RunSection", dict(project=_Str, experiment=_Str, timeout_s=_Positive,
+                                         max_restarts=_num(int, ge=0, le=100),
+                                         verify_checkpoints=typing.Literal["digests", "structure", "off"]))
+LearningSection = _section("LearningSection", dict(min_gain=_Positive, window=_Count, reason_off=_Str))
 #: the self-checks a finished run gets (dsv3_rl.grpo.checks); a preset without ``checks`` is not checked
-ChecksSection = _section("ChecksSection", dict(rollout_vs_trainer_prob_diff_mean_max=float,
-                                               rollout_vs_trainer_pearson_min=float, min_weight_change=float,
-                                               route_agreement_min=float, learning=Any))
+ChecksSection = _section("ChecksSection", dict(rollout_vs_trainer_prob_diff_mean_max=_Positive,
+                                               rollout_vs_trainer_pearson_min=_Fraction, min_weight_change=_NonNeg,
+                                               route_agreement_min=_Fraction, learning=Any))
 
 #: the sections of a preset file; None: free-form (a value, or a mapping checked elsewhere)
 SECTION_MODELS: dict[str, type[_Section] | None] = {
@@ -77,7 +94,9 @@ SECTION_MODELS: dict[str, type[_Section] | None] = {
     "weights": WeightsSection, "data": DataSection, "entry": None, "config_name": None,
     "layout": LayoutSection, "rollout": RolloutSection, "router": RouterSection, "planner": None, "verl": None,
     "dlc": DlcSection, "slurm": SlurmSection, "run": RunSection, "checks": ChecksSection, "rollout_correction": None,
-    "router_replay": None, "rollout_quantization": None,
+    "router_replay": None, "rollout_quantization": None, "train_precision": None, "fp8_recipe": None,
+    # trainer mode and algorithm by name, the hardware split of off-policy modes (dsv3_rl/launch/algorithms.py)
+    "trainer_mode": None, "algorithm": None, "off_policy": algorithms.OffPolicySection,
 }
 SECTIONS: dict[str, tuple[str, ...] | None] = {k: tuple(m.model_fields) if m else None for k, m in SECTION_MODELS.items()}
 LAYOUT_KEYS = SECTIONS["layout"]
@@ -122,6 +141,16 @@ class Preset:
     """a :data:`dsv3_rl.launch.router_replay.MODES` name (verl's ``actor.megatron.router_replay.mode``)"""
     rollout_quantization: str = "none"
     """a :data:`dsv3_rl.launch.rollout_quantization.MODES` name (verl's ``rollout.quantization``)"""
+    train_precision: str = "bf16"
+    """bf16 | fp8 (:mod:`dsv3_rl.launch.train_precision`: megatron's ``fp8``/``fp8_recipe`` through verl)"""
+    fp8_recipe: str = "blockwise"
+    """the FP8 recipe when ``train_precision: fp8`` (:data:`dsv3_rl.launch.train_precision.RECIPES`)"""
+    trainer_mode: str = "sync"
+    """a :data:`dsv3_rl.launch.algorithms.MODES` name (verl's entry point and config)"""
+    algorithm: str = "grpo"
+    """a :data:`dsv3_rl.launch.algorithms.ALGORITHMS` name (verl's losses and filters)"""
+    off_policy: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """the rollout / trainer split of an off-policy trainer_mode (:class:`dsv3_rl.launch.algorithms.OffPolicySection`)"""
 
     @property
     def nodes(self) -> int:
@@ -260,6 +289,21 @@ def _named_mode(where: str, data: dict, key: str, module) -> str:
     return v
 
 
+def _train_precision(where: str, data: dict, hw: dict) -> tuple[str, str]:
+    """``train_precision`` (bf16|fp8) and ``fp8_recipe`` of a preset (dsv3_rl/launch/train_precision.py)."""
+    from dsv3_rl.launch import train_precision as tp
+
+    prec = _named_mode(where, data, "train_precision", tp)
+    recipe = data.get("fp8_recipe", tp.DEFAULT_RECIPE)
+    if recipe not in tp.RECIPES:
+        raise PresetError(f"{where}: fp8_recipe={recipe!r}{close(str(recipe), tp.RECIPES)} (allowed: {', '.join(tp.RECIPES)})")
+    if "fp8_recipe" in data and prec != "fp8":
+        raise PresetError(f"{where}: fp8_recipe={recipe!r} with train_precision={prec!r}: the recipe applies to fp8 only")
+    if prec == "fp8" and hw["gpu"] == "cpu":
+        raise PresetError(f"{where}: train_precision=fp8 on a CPU preset (hardware.gpu=cpu): {tp.CPU_REFUSAL}")
+    return prec, recipe
+
+
 def load_preset(name_or_path: str | os.PathLike) -> Preset:
     """Read, merge and check a preset. Raises :class:`PresetError` naming the file and key."""
     path = preset_file(name_or_path)
@@ -323,13 +367,20 @@ def load_preset(name_or_path: str | os.PathLike) -> Preset:
     run = dict(data.get("run") or {})
     run.setdefault("project", "dsv3_grpo")
     run.setdefault("experiment", path.stem)
-    if run.get("timeout_s") is not None and (not isinstance(run["timeout_s"], (int, float)) or run["timeout_s"] <= 0):
-        raise PresetError(f"{where}: run.timeout_s={run['timeout_s']!r} must be a number of seconds > 0")
+    run.setdefault("max_restarts", 0)
+    run.setdefault("verify_checkpoints", "digests")
     checks = data.get("checks")
     if checks is not None:
         checks = dict(checks)  # keys and types checked per file (_check_keys)
+    if algorithms.default_correction(data):  # an off-policy trainer_mode gets TIS unless the preset names one
+        data["rollout_correction"] = algorithms.default_correction(data)
     rcorr = _named_mode(where, data, "rollout_correction", rollout_correction)
+    try:
+        algo = algorithms.choose(data, hw, rcorr)
+    except algorithms.AlgorithmError as e:
+        raise PresetError(f"{where}: {e}") from None
     replay = _named_mode(where, data, "router_replay", router_replay)
+    prec, recipe = _train_precision(where, data, hw)
     quant = _named_mode(where, data, "rollout_quantization", rollout_quantization)
     if quant == "fp8" and hw["gpu"] == "cpu":
         raise PresetError(f"{where}: rollout_quantization=fp8 on a CPU preset (hardware.gpu=cpu): "
@@ -337,8 +388,10 @@ def load_preset(name_or_path: str | os.PathLike) -> Preset:
     return Preset(
         name=path.stem, path=path, files=files, description=str(data.get("description", "")).strip(),
         model=data["model"], hardware=hw, env=env, weights=weights, data=dat,
-        entry=data.get("entry", "verl.trainer.main_ppo"), config_name=data.get("config_name", "ppo_megatron_trainer"),
+        entry=data.get("entry", algo.mode.entry), config_name=data.get("config_name", algo.mode.config_name),
         layout=layout, rollout=dict(data.get("rollout") or {}), router=dict(data.get("router") or {}),
         planner=planner, verl=verl, dlc=dict(data.get("dlc") or {}), slurm=dict(data.get("slurm") or {}), run=run,
         checks=checks, rollout_correction=rcorr, router_replay=replay, rollout_quantization=quant,
+        train_precision=prec, fp8_recipe=recipe,
+        trainer_mode=algo.trainer_mode, algorithm=algo.algorithm, off_policy=algo.off_policy,
     )

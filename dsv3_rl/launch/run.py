@@ -172,7 +172,13 @@ def derived_tree(preset: Preset, model_cfg: dict) -> dict:
     from dsv3_rl.launch import rollout_quantization  # preset.rollout_quantization by name -> rollout.quantization
 
     t = deep_merge(t, rollout_quantization.verl_tree(preset.rollout_quantization))
-    return t
+    from dsv3_rl.launch import train_precision  # preset.train_precision -> override_transformer_config.fp8/fp8_recipe
+
+    t = deep_merge(t, train_precision.verl_tree(preset.train_precision, preset.fp8_recipe))
+    from dsv3_rl.launch import algorithms  # preset.trainer_mode / algorithm by name -> resources, losses, filters
+
+    resp = (preset.verl.get("data") or {}).get("max_response_length")
+    return deep_merge(t, algorithms.verl_tree(algorithms.choice_of(preset), preset.hardware, resp))
 
 
 def path_tree(preset: Preset, paths: Paths) -> dict:
@@ -232,6 +238,10 @@ class Launch:
         env.update(self.env)
         if self.preset.is_cpu:  # local attention on CPU: TE's switches would fail megatron's check
             pop_te_attention_env(env)
+        else:  # TE in verl's workers loads torch's cuDNN, not another it finds first (docs/gpu-setup.md)
+            from dsv3_rl.mcore.te_env import child_cudnn_env
+
+            env.update(child_cudnn_env(env))
         return env
 
 
@@ -307,7 +317,10 @@ def resolve(preset_name: str, user_overrides: list[str] | None = None, environ: 
         raise VerlConfigError("\n".join(errs))
     rest = _apply_user(tree, user)
     overrides = to_overrides(tree, base, f"preset {preset.name}")
-    argv = [sys.executable, "-m", preset.entry, f"--config-name={preset.config_name}", *overrides, *rest]
+    from dsv3_rl.launch import algorithms
+
+    argv = [sys.executable, "-m", preset.entry, f"--config-name={preset.config_name}",
+            *algorithms.hydra_args(preset.trainer_mode), *overrides, *rest]
     launch = Launch(preset, paths, model_cfg, model_src, env, tree, overrides, rest, argv, [], findings, notes)
 
     # compose + check ------------------------------------------------------------------------------------
@@ -330,7 +343,8 @@ def resolve(preset_name: str, user_overrides: list[str] | None = None, environ: 
         f += checks.check_router(cfg, router_facts(model_cfg, preset.router))
     except Exception as e:  # noqa: BLE001  (config_map refuses the model: that is an error too)
         f.append(checks.Finding("error", "model", f"dsv3_rl.convert.config_map refuses {model_src}: {e}"))
-    if s.world != preset.world:
+    f += [checks.Finding("error", "algorithm", m) for m in algorithms.check_config(cfg, algorithms.choice_of(preset))]
+    if s.world != algorithms.trainer_world(preset):
         f.append(checks.Finding("warning", "hardware", f"trainer.nnodes*n_gpus_per_node = {s.world} GPUs differs from the "
                                                        f"preset's hardware ({preset.hardware_name})"))
     for st in launch.stages:

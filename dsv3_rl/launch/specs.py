@@ -42,6 +42,15 @@ class DLCSpec:
     max_running_minutes: int | None
     gpu_type: str | None
     missing: list[str]
+    max_restarts: int = 0
+    """``run.max_restarts``: DLC's AIMaster restarts the job (``--enable-job-restart``) up to this often"""
+
+    @property
+    def restart_args(self) -> str:
+        """AIMaster fault-tolerance arguments: a failed job is restarted as a whole (every pod reruns the launcher,
+        which resumes from the last verified checkpoint); "Sync" because the Ray job spans all pods."""
+        return (f"--job-execution-mode=Sync --enable-job-restart=True --max-num-of-job-restart={self.max_restarts}"
+                if self.max_restarts else "")
 
     def cli(self) -> str:
         """``dlc submit pytorchjob`` command line (the DLC client's flags)."""
@@ -91,6 +100,8 @@ class DLCSpec:
             body["DataSources"] = [{"DataSourceId": d} for d in self.data_sources]
         if self.max_running_minutes:
             body["JobMaxRunningTimeMinutes"] = self.max_running_minutes
+        if self.max_restarts:
+            body["Settings"] = {"EnableErrorMonitoringInAIMaster": True, "ErrorMonitoringArgs": self.restart_args}
         return body
 
     def render(self, fmt: str) -> str:
@@ -139,18 +150,26 @@ def dlc_spec(preset: Preset, environ: dict[str, str], overrides: list[str] | Non
         workspace_id=site(workspace_id, "DLC_WORKSPACE_ID"), resource_id=site(resource_id, "DLC_RESOURCE_ID"),
         data_sources=[x for x in ds.split(",") if x], envs=envs, priority=int(d.get("priority", 1)),
         max_running_minutes=d.get("max_running_minutes"), gpu_type=d.get("gpu_type"), missing=missing,
+        max_restarts=int(preset.run.get("max_restarts", 0) or 0),
     )
 
 
 def sbatch_command(preset: Preset, overrides: list[str] | None = None) -> str:
-    """``sbatch`` line for the preset's node count (the script runs the launcher on every node)."""
+    """``sbatch`` line for the preset's node count (the script runs the launcher on every node). With
+    ``run.max_restarts`` > 0 the job is ``--requeue``-able and the script requeues a failed run (not a bad-input
+    exit 2) while ``SLURM_RESTART_COUNT`` < ``DSV3_MAX_RESTARTS``; the requeued job resumes from the last verified
+    checkpoint."""
     s = preset.slurm
+    restarts = int(preset.run.get("max_restarts", 0) or 0)
     args = ["sbatch", f"--nodes={preset.nodes}", "--ntasks-per-node=1", f"--job-name=dsv3-{preset.name}"]
+    if restarts:
+        args.append("--requeue")
     if not preset.is_cpu:
         args.append(f"--gpus-per-node={preset.gpus_per_node}")
     for k, flag in (("partition", "--partition"), ("time", "--time"), ("cpus_per_task", "--cpus-per-task"),
                     ("mem", "--mem"), ("account", "--account"), ("qos", "--qos")):
         if s.get(k):
             args.append(f"{flag}={s[k]}")
-    args += [f"--export=ALL,PRESET={preset.name}", SBATCH, *(overrides or [])]
+    args += [f"--export=ALL,PRESET={preset.name}" + (f",DSV3_MAX_RESTARTS={restarts}" if restarts else ""), SBATCH,
+             *(overrides or [])]
     return " ".join(shlex.quote(a) for a in args)

@@ -6,6 +6,13 @@ run's self-checks, plots and one summary line.
   keeps the previous file as ``metrics.attempt-N.jsonl`` (the checks and plots read all attempts, a step
   logged twice counts once, the later one). A run that starts fresh (no checkpoint) removes the metrics of
   an earlier attempt first: two runs are never mixed.
+* Restarts: a run that lost a process (:func:`dsv3_rl.launch.monitor.lost_process`) is torn down and started
+  again with ``resume_mode=auto`` up to ``run.max_restarts`` times; the same loss at the same step twice is
+  deterministic and ends the run. Each restart is a progress line and an entry of report.json's ``run.restarts``
+  (cause, step, steps repeated, time lost). Before every attempt the checkpoints are verified
+  (:func:`dsv3_rl.launch.ckpt.prepare_resume`); while it runs each new checkpoint gets its manifest.
+* The finish line: a rerun of a finished run (checkpoint at the last step, report.json of the same run) prints the
+  saved checks and summary without starting Ray; the s/step of a summary are those of this invocation's steps.
 * Checks (presets with a ``checks:`` section, :mod:`dsv3_rl.grpo.checks`) go to ``LOG_DIR/report.json``;
   ``reward.png`` and ``consistency.png`` (:func:`dsv3_rl.grpo.progress.write_plots`) to LOG_DIR.
 """
@@ -17,24 +24,25 @@ import os
 import sys
 from pathlib import Path
 
-from dsv3_rl.launch import monitor
+import re
+import shutil
+import threading
+import time
+import uuid
+
+from dsv3_rl.launch import ckpt, monitor
 from dsv3_rl.fs import write_json_atomic
 
-TRACKER = "latest_checkpointed_iteration.txt"  # verl's "last complete checkpoint" file under CKPT_DIR
+TRACKER = ckpt.TRACKER  # verl's "last complete checkpoint" file under CKPT_DIR
 PREFIX = "[dsv3-grpo]"
+REPORT = "report.json"
 
 
 def say(msg: str) -> None:
     print(f"{PREFIX} {msg}", flush=True)
 
 
-def latest_checkpoint(ckpt_dir: Path) -> int | None:
-    """The step of verl's last complete checkpoint under CKPT_DIR (its tracker file), or None."""
-    try:
-        text = (Path(ckpt_dir) / TRACKER).read_text().strip()
-    except OSError:
-        return None
-    return int(text) if text.isdigit() else None
+latest_checkpoint = ckpt.tracker_step  # the step of verl's last complete checkpoint under CKPT_DIR, or None
 
 
 RESUME_FILE = "resume.json"  # LOG_DIR: the checkpoint step the last attempt resumed from
@@ -69,59 +77,263 @@ def _select(cfg, key, default=None):
     return default if v is None else v
 
 
+class _Manifests:
+    """Writes ``dsv3-manifest.json`` into each checkpoint once verl's tracker names it (polled once a second by the
+    watched run; the digests are computed in a thread, so progress lines and limits are not held up)."""
+
+    def __init__(self, ckpt_dir: Path, mode: str):
+        self.ckpt_dir, self.mode, self.done = Path(ckpt_dir), mode, set()
+        self.threads: list[threading.Thread] = []
+
+    def __call__(self) -> None:
+        n = ckpt.tracker_step(self.ckpt_dir)
+        if self.mode == "off" or n is None or n in self.done:
+            return
+        d = self.ckpt_dir / f"global_step_{n}"
+        self.done.add(n)
+        if d.is_dir() and not (d / ckpt.MANIFEST).is_file():
+            t = threading.Thread(target=self._write, args=(d,), daemon=True)
+            t.start()
+            self.threads.append(t)
+
+    def _write(self, d: Path) -> None:
+        try:
+            ckpt.write_manifest(d, digests=self.mode == "digests")
+        except Exception as e:  # noqa: BLE001 - a checkpoint removed meanwhile: the resume verifies its structure
+            say(f"no manifest for {d}: {type(e).__name__}: {e}")
+
+    def finish(self) -> None:
+        """The last checkpoint's manifest too, and wait for all of them."""
+        self()
+        for t in self.threads:
+            t.join()
+
+
+def _cause_key(lost: str, step: int) -> tuple[str, int]:
+    return re.sub(r"pid \d+", "pid", lost), step
+
+
+def _time_lost(fail: dict, nxt_start: float, nxt: monitor.RunResult, step_s: dict[int, float]) -> float:
+    """Wall seconds between the failed attempt reaching its last logged step and the next attempt reaching the same
+    point again (its start-up, the repeated steps and the teardown of the failed one)."""
+    last = fail["last_step"]
+    t1 = fail["t_last"]
+    if last in nxt.step_at_s:
+        return nxt_start + nxt.step_at_s[last] - t1
+    later = sorted(k for k in nxt.step_at_s if k > last)
+    if later:  # it resumed at `last`: its first new step, less that step's own duration
+        k = later[0]
+        return nxt_start + nxt.step_at_s[k] - step_s.get(k, 0.0) - t1
+    return nxt_start + nxt.seconds - t1
+
+
 def run_single_node(launch, env: dict[str, str]) -> int:
-    from dsv3_rl.grpo import checks as checks_mod
+    from dsv3_rl.launch import workdir
+
+    paths = launch.paths
+    paths.logs.mkdir(parents=True, exist_ok=True)
+    with workdir.RunLock(paths.logs, launch.preset.name, say=say) as lock:
+        done = finished(launch)
+        if done is not None:
+            return done
+        return _run_attempts(launch, env, lock)
+
+
+def _run_attempts(launch, env: dict[str, str], lock) -> int:
+    from dsv3_rl.grpo import checks as checks_mod, progress
     from dsv3_rl.grpo.progress import write_plots
+    from dsv3_rl.launch import workdir
 
     paths, preset = launch.paths, launch.preset
     total = int(_select(launch.cfg, "trainer.total_training_steps", 0) or 0)
     metrics = Path(env.get("VERL_FILE_LOGGER_PATH") or paths.logs / "metrics.jsonl")
     log = paths.logs / "main_ppo.log"
     resume_mode = str(_select(launch.cfg, "trainer.resume_mode", "auto"))
-    resume = latest_checkpoint(paths.ckpt) if resume_mode != "disable" else None
-    paths.logs.mkdir(parents=True, exist_ok=True)
+    max_restarts = int(preset.run.get("max_restarts", 0) or 0)
+    verify_mode = str(preset.run.get("verify_checkpoints", "digests"))
+    keep = _select(launch.cfg, "trainer.max_actor_ckpt_to_keep", None)
     metrics.parent.mkdir(parents=True, exist_ok=True)
-    prepare_metrics(metrics, resume)
-    if resume is not None:
-        left = f"steps {resume + 1}..{total} remain" if resume < total else "all steps are done: verl only loads it"
-        say(f"resuming from {paths.ckpt}/global_step_{resume} (verl trainer.resume_mode={resume_mode}); {left}")
     timeout = preset.run.get("timeout_s")
-    say(f"running verl main_ppo: {total} GRPO steps{f', limit {timeout:.0f}s' if timeout else ''}; "
-        f"full log {log}")
-    with open(log, "a" if resume is not None else "w") as f:  # a resumed attempt continues the log
-        f.write(f"\n===== {PREFIX} attempt: {' '.join(launch.argv[:4])} ... (resume from step {resume}) =====\n")
-    res = monitor.run_watched(launch.argv, env, log_path=log, metrics_path=metrics, total_steps=total,
-                              timeout_s=timeout, say=print)
-    gib = res.peak_pss_bytes / 2**30
-    say(f"main_ppo finished in {res.seconds:.0f}s (exit {res.code}{', ' + res.reason if res.reason else ''}); "
-        f"peak memory {gib:.1f} GiB at {res.peak_at_s:.0f}s (PSS summed over the run's processes)")
+    restarts: list[dict] = []
+    pending: dict | None = None  # the restart whose time lost is measured by the next attempt
+    this_steps: set[int] = set()
+    t_run0 = time.monotonic()
+    resume0 = None
+    gave_up = ""  # the one-line cause when a lost process ends the run
+    while True:
+        resume = None
+        if resume_mode != "disable":
+            resume = ckpt.prepare_resume(paths.ckpt, keep=keep if isinstance(keep, int) else None, mode=verify_mode,
+                                         say=say)
+        if pending is not None and resume is not None and resume not in _logged(metrics):
+            # the lost process struck between verl's save of step K and its metrics line: redo K from the checkpoint
+            # before, so that the run's record (and the learning gate) has every step (at most save_freq steps)
+            say(f"step {resume} was checkpointed but its metrics were never logged (the run was lost in between): "
+                f"redoing it from the checkpoint before, so that every step is in the run's record")
+            shutil.rmtree(paths.ckpt / f"global_step_{resume}", ignore_errors=True)
+            resume = ckpt.prepare_resume(paths.ckpt, keep=None, mode=verify_mode, say=say)
+        if resume is None or not (paths.ckpt / workdir.IDENTITY).is_file():  # a fresh run, or one from before
+            workdir.record_identity(launch)
+        if pending is None:
+            resume0 = resume
+        prepare_metrics(metrics, resume)
+        if resume is not None:
+            left = f"steps {resume + 1}..{total} remain" if resume < total else "all steps are done: verl only loads it"
+            say(f"resuming from {paths.ckpt}/global_step_{resume} (verl trainer.resume_mode={resume_mode}); {left}")
+        if pending is not None:
+            pending["resumed_from"] = resume
+            pending["steps_repeated"] = max(0, pending.pop("trained") - (resume or 0))
+        say(f"running verl main_ppo: {total} GRPO steps{f', limit {timeout:.0f}s' if timeout else ''}"
+            f"{f', restart {len(restarts)}/{max_restarts}' if restarts else ''}; full log {log}")
+        with open(log, "a" if resume is not None or restarts else "w") as f:  # a resumed attempt continues the log
+            f.write(f"\n===== {PREFIX} attempt: {' '.join(launch.argv[:4])} ... (resume from step {resume}) =====\n")
+        run_id = uuid.uuid4().hex
+        lock.update(run_id=run_id)
+        t_att = time.monotonic()
+        manifests = _Manifests(paths.ckpt, verify_mode)
+        if resume is not None and resume >= total and set(range(1, total + 1)) <= _logged(metrics):
+            say(f"every step up to {total} is trained, checkpointed and logged: main_ppo is not started")
+            res = monitor.RunResult(code=0, seconds=0.0, peak_pss_bytes=0)
+        else:
+            res = monitor.run_watched(launch.argv, env, log_path=log, metrics_path=metrics, total_steps=total,
+                                      timeout_s=timeout, say=print, run_id=run_id, on_poll=manifests)
+        manifests.finish()
+        lock.update(run_id=None)
+        this_steps |= {k for k in res.step_at_s if k > (resume or 0)}  # a resumed attempt logs step K's validation
+        step_s = {r["step"]: float(r.get("timing_s/step") or 0.0) for r in _read_quiet(metrics)}
+        if pending is not None:
+            pending["time_lost_s"] = round(_time_lost(pending, t_att, res, step_s), 1)
+            say(f"restart {len(restarts)}: {pending['steps_repeated']} step(s) repeated, "
+                f"{pending['time_lost_s']:.0f}s lost (from reaching step {pending['last_step']} to reaching it again)")
+            pending = None
+        gib = res.peak_pss_bytes / 2**30
+        say(f"main_ppo finished in {res.seconds:.0f}s (exit {res.code}{', ' + res.reason if res.reason else ''}); "
+            f"peak memory {gib:.1f} GiB at {res.peak_at_s:.0f}s (PSS summed over the run's processes)")
+        if (startup := progress.startup_line(log)) is not None:  # where the start-up went (issue 28)
+            print(startup, flush=True)
+        if res.reason == "lost":
+            last = max([k for k in res.step_at_s if k > 0], default=resume or 0)
+            cause = f"{res.lost} lost during step {last + 1}"
+            entry = {"cause": cause, "step": last + 1, "last_step": last, "at_s": round(res.lost_at_s or 0, 1),
+                     "t_last": t_att + (res.step_at_s.get(last) or 0.0),
+                     "trained": max(last, ckpt.tracker_step(paths.ckpt) or 0)}  # a step saved but not logged too
+            again = any(_cause_key(r["cause"], r["step"]) == _cause_key(cause, last + 1) for r in restarts)
+            if again:
+                res.reason, why = "deterministic", "the same loss at the same step as before: not restarting"
+            elif len(restarts) >= max_restarts:
+                why = f"no restart left (run.max_restarts={max_restarts})"
+            else:
+                restarts.append(entry)
+                pending = entry
+                say(f"RESTART {len(restarts)}/{max_restarts}: {cause}; the run was torn down, starting it again "
+                    f"from its last complete checkpoint")
+                continue
+            lines = log.read_text(errors="replace").splitlines()[-15:]
+            print("\n".join(lines), flush=True)
+            say(f"main_ppo lost a process: {cause}; {why}")
+            gave_up = f"{cause}; {why}"
+        break
+    res.seconds = time.monotonic() - t_run0
     if res.reason == "interrupted":
         done = latest_checkpoint(paths.ckpt)
         where = f"from {paths.ckpt}/global_step_{done}" if done is not None else "from the start (no checkpoint was complete)"
         say(f"interrupted: run the same command again to resume {where}")
         return res.code
-    if res.code != 0:
+    if res.code != 0 and res.reason not in ("lost", "deterministic"):
         lines = log.read_text(errors="replace").splitlines()[-40:]
         why = f"stopped at its limit of {timeout:.0f}s (run.timeout_s)" if res.reason == "timeout" else f"failed (exit {res.code})"
         say(f"main_ppo {why}; last lines of {log}:")
         print("\n".join(lines), flush=True)
+        if "No space left on device" in "\n".join(lines) or _disk_full(paths.ckpt):
+            say(f"the disk of {paths.ckpt} is full (no space left on device): free space and run the same command "
+                f"again; the incomplete checkpoint is removed then, the last complete one is used")
     steps = []
     try:
         steps = checks_mod.read_run_metrics(metrics)
     except checks_mod.CheckError as e:
         say(f"no metrics: {e}")
     plots = write_plots(steps, paths.logs, _dense_layers(paths)) if steps else []
+    run_info = {"seconds": round(res.seconds, 1), "peak_pss_gib": round(res.peak_pss_bytes / 2**30, 2),
+                "peak_at_s": round(res.peak_at_s, 1), "resumed_from": resume0,
+                "restarts": [{k: v for k, v in r.items() if k != "t_last"} for r in restarts],
+                "steps_this_invocation": sorted(this_steps)}
     report = None
     if preset.checks is not None and res.code == 0:
-        report = _checks(launch, metrics, total, {"seconds": round(res.seconds, 1),
-                                                  "peak_pss_gib": round(res.peak_pss_bytes / 2**30, 2),
-                                                  "peak_at_s": round(res.peak_at_s, 1), "resumed_from": resume})
+        report = _checks(launch, metrics, total, run_info)
         print(report.render(), flush=True)
     ok = res.code == 0 and (report is None or report.ok)
-    say(f"logs: {log} | metrics: {metrics} | report: {paths.logs / 'report.json' if report else 'n/a'} | "
+    line = summary(preset.name, ok, steps, report, res, total, this_steps=this_steps,
+                   cause=gave_up, restarts=len(restarts))
+    if report is None:
+        write_json_atomic(paths.logs / REPORT, {"ok": ok, "checks": [], "steps": steps,
+                                                "run": {**run_info, "summary": line}}, default=str, ensure_ascii=True)
+    else:
+        _add_summary(paths.logs / REPORT, line)
+    say(f"logs: {log} | metrics: {metrics} | report: {paths.logs / REPORT} | "
         f"plots: {', '.join(map(str, plots)) or 'n/a'} | checkpoint: {paths.ckpt}")
-    say(summary(preset.name, ok, steps, report, res, total))
+    say(line)
     return 0 if ok else 1
+
+
+def _logged(metrics: Path) -> set[int]:
+    """The training steps whose metrics are in METRICS or an earlier attempt's file."""
+    from dsv3_rl.grpo import checks as checks_mod
+
+    try:
+        return {s["step"] for s in checks_mod.training_steps(checks_mod.read_run_metrics(metrics))}
+    except (checks_mod.CheckError, KeyError, ValueError):
+        return set()
+
+
+def _disk_full(path: Path) -> bool:
+    from dsv3_rl.errors import free_bytes
+
+    try:
+        return free_bytes(path) < (16 << 20)
+    except OSError:
+        return False
+
+
+def _read_quiet(metrics: Path) -> list[dict]:
+    from dsv3_rl.grpo import checks as checks_mod
+
+    try:
+        return checks_mod.read_metrics(metrics)
+    except (checks_mod.CheckError, KeyError, ValueError):
+        return []
+
+
+def _add_summary(report: Path, line: str) -> None:
+    rec = json.loads(report.read_text())
+    rec.setdefault("run", {})["summary"] = line
+    write_json_atomic(report, rec, default=str, ensure_ascii=True)
+
+
+def finished(launch) -> int | None:
+    """A finished run of these settings (its checkpoint at the last step, its report.json written after it):
+    print the saved checks and summary and return the exit status, without starting Ray or vLLM; else None."""
+    from dsv3_rl.launch import workdir
+
+    paths = launch.paths
+    total = int(_select(launch.cfg, "trainer.total_training_steps", 0) or 0)
+    rep = paths.logs / REPORT
+    step = ckpt.tracker_step(paths.ckpt)
+    if step is None or step < total or not rep.is_file() or workdir.identity_mismatch(launch):
+        return None
+    if rep.stat().st_mtime < (paths.ckpt / TRACKER).stat().st_mtime:
+        return None
+    try:
+        rec = json.loads(rep.read_text())
+        line = rec["run"]["summary"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(rep.stat().st_mtime))
+    say(f"this run is complete: {paths.ckpt}/global_step_{step} is its last step ({total}); nothing to train "
+        f"(Ray and vLLM not started). Saved result of {when} ({rep}):")
+    for c in rec.get("checks") or []:
+        print(f"  [{'PASS' if c.get('ok') else 'FAIL'}] {c.get('name')}: {c.get('detail')}", flush=True)
+    say(f"{line}  [finished {when}; to train again use another WORK_DIR or remove {paths.ckpt}]")
+    return 0 if rec.get("ok") else 1
 
 
 def _checks(launch, metrics: Path, total: int, run_info: dict | None = None):
@@ -135,7 +347,12 @@ def _checks(launch, metrics: Path, total: int, run_info: dict | None = None):
     logging.getLogger("megatron").setLevel(logging.ERROR)
     with warnings.catch_warnings():  # megatron/torch dist-checkpoint deprecation noise while reloading
         warnings.simplefilter("ignore")
-        tolerances = {**(launch.preset.checks or {}), "router_replay": launch.preset.router_replay}
+        from dsv3_rl.launch import algorithms  # off-policy staleness check (issue 27)
+
+        tolerances = {**(launch.preset.checks or {}), "router_replay": launch.preset.router_replay,
+                      "trainer_mode": launch.preset.trainer_mode, "off_policy": launch.preset.off_policy,
+                      "algorithm": launch.preset.algorithm,
+                      "samples_per_step": algorithms.samples_per_step(launch.cfg, launch.preset.trainer_mode)}
         report = checks_mod.check_run(metrics, total, initial, paths.ckpt, paths.hf, tolerances,
                                       resumed_from(metrics))
     out = paths.logs / "report.json"
@@ -173,18 +390,29 @@ def check_finished(launch) -> int:
     return 0 if ok else 1
 
 
-def summary(name: str, ok: bool, steps: list[dict], report, res: monitor.RunResult | None, total: int) -> str:
+def summary(name: str, ok: bool, steps: list[dict], report, res: monitor.RunResult | None, total: int,
+            this_steps: set[int] | None = None, cause: str = "", restarts: int = 0) -> str:
+    """The one summary line. Seconds per step are those of THIS_STEPS (the steps this invocation trained; all
+    logged steps when None, for ``dsv3-launch check``), never an earlier invocation's as this one's."""
     from dsv3_rl.grpo import checks as checks_mod
 
     train = checks_mod.training_steps(steps)
     first, last = checks_mod.learning_summary(steps)
     vals = [v for v in (checks_mod.val_reward(s) for s in steps) if v is not None]
-    times = [s.get("timing_s/step") for s in train if isinstance(s.get("timing_s/step"), (int, float))]
+    timed = [s for s in train if this_steps is None or s["step"] in this_steps]
+    times = [s.get("timing_s/step") for s in timed if isinstance(s.get("timing_s/step"), (int, float))]
     gaps = [s.get(checks_mod.PROB_DIFF_MEAN) for s in train if isinstance(s.get(checks_mod.PROB_DIFF_MEAN), (int, float))]
     parts = [f"GRPO {name} {'PASSED' if ok else 'FAILED'}: {len(train)}/{total} steps"
              + (f" in {res.seconds:.0f}s" if res is not None else "")]
+    if cause:
+        parts.append(cause)
+    if restarts:
+        parts.append(f"{restarts} restart(s)")
     if times:
-        parts.append(f"{sum(times) / len(times):.1f} s/step")
+        parts.append(f"{sum(times) / len(times):.1f} s/step" + ("" if this_steps is None or len(timed) == len(train)
+                                                                 else f" (the {len(timed)} steps of this invocation)"))
+    elif this_steps is not None and train:
+        parts.append("no step trained by this invocation")
     if first is not None:
         parts.append(f"reward {first:.3f} -> {last:.3f} (first/last 3 steps)")
     if len(vals) >= 2:

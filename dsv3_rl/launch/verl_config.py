@@ -78,9 +78,12 @@ def compose(config_name: str, overrides: list[str]):
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
+    from dsv3_rl.launch.algorithms import config_search  # off-policy trainer modes: verl/experimental/*/config
+
+    config_dir, search = config_search(config_name, verl_config_dir())
     try:
-        with initialize_config_dir(str(verl_config_dir()), version_base=None):
-            return hydra_compose(config_name=config_name, overrides=list(overrides))
+        with initialize_config_dir(str(config_dir), version_base=None):
+            return hydra_compose(config_name=config_name, overrides=[*search, *overrides])
     except (HydraException, OmegaConfBaseException) as e:
         msg = str(e).strip().splitlines()
         raise VerlConfigError(f"verl {verl_version()} ({config_name}) refused the overrides: {' '.join(msg)}") from None

@@ -16,7 +16,10 @@ import torch
 import torch.distributed as dist
 
 from dsv3_rl.convert.config_map import Parallel, RouterSettings, gpt_model_kwargs, hf_to_mcore_config
+from dsv3_rl.mcore import te_env
 from dsv3_rl.ports import free_port
+
+te_env.pin_torch_cudnn()  # before megatron-core imports Transformer Engine: one cuDNN per process
 
 
 def device() -> torch.device:
@@ -31,6 +34,8 @@ def init_distributed(parallel: Parallel, seed: int = 1234, timeout_s: int = 600)
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
+    if torch.cuda.is_available():
+        te_env.check_cudnn()  # before any GPU work: a second cuDNN is one error line, not a crash later
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1 and not dist.is_initialized() and "MASTER_PORT" not in os.environ:

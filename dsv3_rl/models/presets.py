@@ -7,6 +7,9 @@ tiny           a few MB; runs everywhere (unit tests). vocab = the offline token
 tiny-vllm      tiny, but MLA dims vLLM's CPU backend accepts (kv_lora_rank 512, rope 64);
                the CPU GRPO demo serves it with vLLM and trains it with Megatron TP2/EP2.
 proxy          DeepSeek-V3's real layer dims with 4 layers (1 dense + 3 MoE), 16 experts.
+proxy_4xH100   DeepSeek-V3's real layer dims, 4 layers (1 dense + 3 MoE), 64 experts top-8 in 8 groups
+               (top-4 groups): 11.6B params, sized by the planner to fill 4 x H100 80GB for the GRPO
+               update bench (docs/planner.md, "Measured against the planner").
 deepseek-v3    the official DeepSeek-V3 config (671B; config only). Alias: 671b.
 =============  ==========================================================================
 
@@ -149,10 +152,20 @@ _PROXY: dict[str, Any] = {
     "num_nextn_predict_layers": 0,
 }
 
+# The model the planner chose for the 4 x H100 GRPO-update bench (issue 25): the proxy with 64 experts, 16 per
+# GPU at EP4 (DeepSeek-V3's 256 at EP16), group-limited routing kept at DeepSeek-V3's ratio
+# (8 groups of 8 experts, top-4 groups, top-8 experts: num_experts_per_tok / topk_group = 2, what megatron's
+# group score computes). 11.6B params (8.5B routed experts), 3.26B activated per token.
+_PROXY_4XH100: dict[str, Any] = {
+    **_PROXY,
+    "n_routed_experts": 64,
+}
+
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": _TINY,
     "tiny-vllm": _TINY_VLLM,
     "proxy": _PROXY,
+    "proxy_4xH100": _PROXY_4XH100,
     "deepseek-v3": _DEEPSEEK_V3,
 }
 ALIASES = {"671b": "deepseek-v3"}
@@ -175,12 +188,17 @@ def resolve(preset: str) -> str:
 
 
 def preset_kwargs(preset: str, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
-    """A deep copy of the preset's config kwargs, with OVERRIDES applied (keys must already exist)."""
+    """A deep copy of the preset's config kwargs, with OVERRIDES applied (keys must already exist); an override
+    that makes the config unusable (``hidden_size=-4``) is a ConfigError naming the key (``validate_config``)."""
+    from dsv3_rl.checkpoint.hf_config import validate_config
+
     kwargs = copy.deepcopy(PRESETS[resolve(preset)])
     for key, value in (overrides or {}).items():
         if key not in kwargs:
             raise KeyError(f"override {key!r} is not a key of preset {preset!r} (keys: {', '.join(sorted(kwargs))})")
         kwargs[key] = value
+    if overrides:
+        validate_config(kwargs, f"model preset {preset!r} with overrides {overrides}", require=False)
     return kwargs
 
 

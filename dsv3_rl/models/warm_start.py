@@ -18,9 +18,15 @@ the ``tiny-vllm`` model written by :mod:`dsv3_rl.models.mini_model` (seed 0), fp
    some other token (``\\boxed{ean}``). It answers in the right format and mostly wrong, but has kept
    what it learned: GRPO can recover it under the policy gradient alone.
 
-Writes OUT (built in a temporary sibling, renamed when complete): ``model.safetensors`` (bf16, the
-mini model's tensor names and dtypes), ``config.json``, the tokenizer files and ``warm_start.json`` (the
-settings and the measured probabilities). Deterministic for a given torch build: seed 0, one thread.
+Writes OUT (built in a temporary sibling ``OUT.tmp-PID``, renamed when complete): ``model.safetensors``
+(bf16, the mini model's tensor names and dtypes), ``config.json``, the tokenizer files and ``warm_start.json``
+(the settings and the measured probabilities). Deterministic for a given torch build: seed 0, one thread.
+
+Checked before anything is trained or written: ``--data`` holds both splits with the ``problem`` and
+``solution`` columns and a ``\\boxed{}`` answer in every solution; ``--target`` is strictly between 0 and 1;
+OUT is new, empty or an earlier warm start (it holds ``warm_start.json``): a directory of the user's is
+refused, never replaced. Any failure or an interrupt removes ``OUT.tmp-PID``; a rerun starts over (the two
+phases take ~4 minutes on 2 cores, nothing is resumed).
 """
 
 from __future__ import annotations
@@ -33,13 +39,66 @@ import sys
 import time
 from pathlib import Path
 
-from dsv3_rl.errors import cli_main
+from dsv3_rl.checkpoint.outputs import refuse_foreign_dir
+from dsv3_rl.cliargs import non_negative_int, open_fraction
+from dsv3_rl.errors import Dsv3Error, cli_main
 from dsv3_rl.fs import replace_dir
 
 PHASE1 = {"steps": 300, "lr": 1e-3}
 PHASE2 = {"max_steps": 150, "lr": 5e-5}
 BATCH = 32
 WRONG = "0"
+MARKER = "warm_start.json"  # in every output of this tool (an OUT holding it may be replaced)
+SPLITS = ("train", "test")
+COLUMNS = ("problem", "solution")
+
+
+class WarmStartError(Dsv3Error, ValueError):
+    """Bad --data, --out or --target; the message names the file or flag and what was expected."""
+
+
+def read_task(data_dir: Path) -> dict[str, list[dict]]:
+    """The rows of DATA_DIR's two splits; WarmStartError naming the file and what is expected when they are
+    missing, unreadable, lack a column or a solution lacks its \\boxed{} answer."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from dsv3_rl.reward.answer import last_boxed_answer
+
+    expected = (f"expected the synthetic task in MATH layout: data/{{{','.join(SPLITS)}}}-00000-of-00001.parquet "
+                f"with columns {', '.join(COLUMNS)} (write it with: dsv3-prep-data synthetic --out {data_dir})")
+    if not data_dir.is_dir():
+        raise WarmStartError(f"--data {data_dir}: no such directory; {expected}")
+    splits = {}
+    for split in SPLITS:
+        path = data_dir / "data" / f"{split}-00000-of-00001.parquet"
+        if not path.is_file():
+            raise WarmStartError(f"--data {data_dir}: {path} not found; {expected}")
+        try:
+            table = pq.read_table(path)
+        except (pa.ArrowException, OSError) as e:
+            raise WarmStartError(f"{path}: not a readable parquet file ({' '.join(str(e).split())[:160]}); "
+                                 f"{expected}") from None
+        missing = [c for c in COLUMNS if c not in table.column_names]
+        if missing:
+            raise WarmStartError(f"{path}: no column {', '.join(missing)} (it has {', '.join(table.column_names)}); "
+                                 f"{expected}")
+        rows = table.select(list(COLUMNS)).to_pylist()
+        if not rows:
+            raise WarmStartError(f"{path}: no rows; {expected}")
+        for i, r in enumerate(rows):
+            if not isinstance(r["problem"], str) or not r["problem"] or not isinstance(r["solution"], str) \
+                    or last_boxed_answer(r["solution"]) in (None, ""):
+                raise WarmStartError(f"{path}: row {i} has no problem text or no \\boxed{{}} answer in its solution "
+                                     f"({str(r['solution'])[:60]!r}); {expected}")
+        splits[split] = rows
+    return splits
+
+
+def check_out(out: Path) -> None:
+    """OUT may be missing, empty or an earlier warm start; anything else is refused (nothing is replaced)."""
+    if not (out / MARKER).is_file():
+        refuse_foreign_dir(out, MARKER, WarmStartError)
 
 
 def _examples(tok, rows: list[dict], answer_of) -> list[dict]:
@@ -101,7 +160,18 @@ def _args(out: Path, steps: int, lr: float, seed: int):
 
 
 def warm_start(data_dir: Path, out: Path, target: float = 0.2, seed: int = 0) -> dict:
-    import pyarrow.parquet as pq
+    """Train and write OUT (see the module doc); checks --data and OUT first; OUT.tmp-PID never outlives it."""
+    splits = read_task(data_dir)
+    check_out(out)
+    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        return _train(splits, data_dir, out, tmp, target, seed)
+    finally:  # success: tmp is empty (the model was renamed to OUT); failure or interrupt: nothing half-written
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _train(splits: dict[str, list[dict]], data_dir: Path, out: Path, tmp: Path, target: float, seed: int) -> dict:
     import torch
     from safetensors import safe_open
     from safetensors.torch import save_file
@@ -111,9 +181,6 @@ def warm_start(data_dir: Path, out: Path, target: float = 0.2, seed: int = 0) ->
 
     torch.set_num_threads(1)
     torch.manual_seed(seed)
-    splits = {s: pq.read_table(data_dir / "data" / f"{s}-00000-of-00001.parquet").to_pylist() for s in ("train", "test")}
-    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
     base = write_mini_model("tiny-vllm", tmp / "base", seed=seed, dtype="bf16")
     tok = AutoTokenizer.from_pretrained(base)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
@@ -145,7 +212,7 @@ def warm_start(data_dir: Path, out: Path, target: float = 0.2, seed: int = 0) ->
             data_collator=collate, callbacks=[stop]).train()
     final = {"train": p_right(model, train_ok, torch.bfloat16), "validation": p_right(model, val_ok, torch.bfloat16)}
     if final["validation"] >= target:
-        raise RuntimeError(f"mislead phase did not bring p(right) below {target} in {PHASE2['max_steps']} steps "
+        raise WarmStartError(f"--target {target}: the mislead phase did not bring p(right) below {target} in {PHASE2['max_steps']} steps "
                            f"(trace {stop.trace})")
     print(f"[warm-start] mislead: {len(stop.trace)} steps, p(right) bf16 train {final['train']:.3f} "
           f"validation {final['validation']:.3f} (trace {stop.trace})", flush=True)
@@ -173,19 +240,20 @@ def warm_start(data_dir: Path, out: Path, target: float = 0.2, seed: int = 0) ->
             "mislead": {"answer": WRONG, "lr": PHASE2["lr"], "steps": len(stop.trace), "target": target,
                         "trace": stop.trace, "p_right_bf16": final},
             "torch": torch.__version__, "seconds": round(time.time() - t0, 1)}
-    (base / "warm_start.json").write_text(json.dumps(info, indent=2) + "\n")
+    (base / MARKER).write_text(json.dumps(info, indent=2) + "\n")
     replace_dir(base, out)
-    shutil.rmtree(tmp, ignore_errors=True)
     return info
 
 
-@cli_main
+@cli_main(interrupted="nothing half-written is kept (OUT.tmp-PID removed); rerun the same command to start over")
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="dsv3-warm-start", description=__doc__.split("\n\n")[0])
     ap.add_argument("--data", required=True, type=Path, help="synthetic task in MATH layout (dsv3_rl.data.synthetic)")
-    ap.add_argument("--out", required=True, type=Path, help="HF checkpoint directory to write")
-    ap.add_argument("--target", type=float, default=0.2, help="stop misleading below this p(right) (default 0.2)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", required=True, type=Path,
+                    help="HF checkpoint directory to write (new, empty, or an earlier warm start)")
+    ap.add_argument("--target", type=open_fraction, default=0.2,
+                    help="stop misleading below this p(right), strictly between 0 and 1 (default 0.2)")
+    ap.add_argument("--seed", type=non_negative_int, default=0)
     args = ap.parse_args(argv)
     info = warm_start(args.data, args.out, args.target, args.seed)
     print(f"[warm-start] wrote {args.out}: p(right) validation {info['mislead']['p_right_bf16']['validation']:.3f} "

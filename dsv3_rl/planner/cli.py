@@ -5,6 +5,10 @@
     dsv3-plan check --model 671b --gpu H20 --nodes 12 --layout tp=8,pp=12,ep=8,etp=1,last_stage_layers=6,recompute=full
     dsv3-plan published            # verdicts on the published DeepSeek-V3 layouts
     dsv3-plan validate             # predictions vs tests/assets/planner/measured_*.jsonl
+    dsv3-plan phases --model proxy_4xH100 --gpu H100 --gpus-per-node 4 --prompts 8 --n 8 ...   # per-phase GRPO
+                                   # training step (log-prob, update, export) of the best layouts + one that OOMs
+    dsv3-plan validate RESULTS/bench_*.json --predicted predicted.json --doc docs/planner.md
+                                   # bench/bench_grpo_update.py results vs the planner, table into the doc
 
 Exit status: 0 = fits / something feasible, 1 = does not fit / nothing feasible, 2 = bad input.
 Options of :class:`~dsv3_rl.planner.spec.Options` are set with ``--set key=value`` (repeatable);
@@ -14,6 +18,7 @@ unknown keys are errors listing the allowed ones.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -144,9 +149,66 @@ def cmd_published(a) -> int:
     return 1 if bad else 0
 
 
+def cmd_phases(a) -> int:
+    from dsv3_rl.planner.phases import expected_seq_lens, phase_table, pick_bench_layouts, predict_phases
+
+    model, cluster, grpo, options = _inputs(a)
+    model_set = {}
+    if a.model_set:
+        from dsv3_rl.cliargs import parse_set
+        from dsv3_rl.planner.model import ModelSpec
+        from dsv3_rl.models.presets import preset_kwargs
+
+        model_set = parse_set(a.model_set)
+        model = ModelSpec.from_hf(preset_kwargs(model, model_set),
+                                  name=model + "".join(f" {k}={v}" for k, v in model_set.items()))
+    if a.response_mean is not None:
+        if not 0 < a.response_mean <= grpo.max_response_len:
+            raise ValueError(f"--response-mean {a.response_mean}: must be in (0, --response-len {grpo.max_response_len}]")
+        grpo = dataclasses.replace(grpo, mean_length_fraction=a.response_mean / grpo.max_response_len)
+    if a.resp_dist:
+        from dsv3_rl.planner.phases import sample_seq_lens
+
+        lens = sample_seq_lens(grpo.prompts_per_step, grpo.n_samples, a.prompt_dist or f"fixed:{grpo.max_prompt_len}",
+                               a.resp_dist, a.seed)
+        if max(lens) > grpo.seq_len:
+            raise ValueError(f"--prompt-dist/--resp-dist draw {max(lens)} tokens > --prompt-len + --response-len {grpo.seq_len}")
+    else:
+        lens = expected_seq_lens(grpo)
+    picks = [(f"layout{i + 1}", Layout.parse(x)) for i, x in enumerate(a.layout)] if a.layout else \
+        pick_bench_layouts(model, cluster, grpo, options, top=a.top, oom_factor=a.oom_factor, seq_lens=lens)
+    picks = [(f"{a.tag_prefix}{t}", lay) for t, lay in picks]
+    preds = [(tag, predict_phases(model, cluster, grpo, lay, options, seq_lens=lens)) for tag, lay in picks]
+    print(f"model {getattr(model, 'name', model)}, {cluster.world}x {cluster.gpu} ({cluster.memory_bytes / 2**30:.1f} GiB), batch "
+          f"{grpo.prompts_per_step} prompts x {grpo.n_samples}, {sum(lens)} tokens (mean sequence "
+          f"{sum(lens) / len(lens):.0f}, max {max(lens)}), max {grpo.tokens_per_micro_batch} tokens per micro-batch"
+          + ("" if options.remove_padding else ", micro-batches padded to the longest sequence (BSHD)"))
+    print(phase_table(preds, cluster.memory_bytes / 2**30))
+    for tag, p in preds:
+        if not p.feasible:
+            print(f"{tag}: {p.layout.short()} rejected: {p.violations[0]}")
+    if a.json:
+        from dsv3_rl.planner.phases import predictions_json
+
+        prev = read_json(a.json, what="--add: planner predictions") if a.add and a.json.exists() else None
+        write_json_atomic(a.json, predictions_json(model, cluster, grpo, options, preds, model_set=model_set,
+                                                   seq_lens=lens, previous=prev), indent=1, default=str, ensure_ascii=True)
+        print(f"json: {a.json}" + (" (runs added)" if prev else ""))
+    ok = [p for _, p in preds if p.feasible]
+    print(f"summary: {len(ok)} of {len(preds)} layouts predicted to fit; "
+          + "; ".join(f"{t} {p.layout.short()} {p.peak_memory / 2**30:.1f} GiB {p.step_seconds:.2f} s" for t, p in preds))
+    return 0
+
+
 def cmd_validate(a) -> int:
     from dsv3_rl.planner.validation import load_measurements, predict_row, row_attention
 
+    bench = [p for p in a.measured if p.suffix == ".json"]
+    if bench or a.predicted or a.doc:
+        if len(bench) != len(a.measured) or not bench:
+            raise ValueError("validate: give either bench/bench_grpo_update.py --json files (*.json) or "
+                             "measure_train_memory rows (*.jsonl), not both; --predicted/--doc need *.json files")
+        return _validate_bench(bench, a.predicted, a.doc)
     paths = a.measured or sorted(ASSETS.glob("measured_*.jsonl"))
     if not paths:
         print(f"no measurement files under {ASSETS}", file=sys.stderr)
@@ -173,6 +235,46 @@ def cmd_validate(a) -> int:
     return 0 if worst <= 0.15 else 1
 
 
+DOC_BEGIN = "<!-- grpo-update-table: begin (dsv3-plan validate --doc fills this) -->"
+DOC_END = "<!-- grpo-update-table: end -->"
+
+
+def _validate_bench(paths, predicted, doc) -> int:
+    from dsv3_rl.planner.validation import bench_table, compare_bench, load_bench_json, registered_drift
+
+    rows = [compare_bench(load_bench_json(p)) for p in paths]
+    reg = read_json(predicted, what="planner predictions (dsv3-plan phases --json)") if predicted else None
+    table = bench_table(rows, reg)
+    print(table)
+    for r in rows:  # where the time goes: the planner's parts next to the bench's profile (when it ran --profile)
+        if r.get("predicted_parts"):
+            print(f"{r['layout']}: predicted step parts " + ", ".join(f"{k} {v:.2f} s" for k, v in r["predicted_parts"].items())
+                  + (("; measured profile " + ", ".join(f"{k} {v:.2f} s" for k, v in r["profile"].items()
+                                                        if isinstance(v, (int, float)))) if r.get("profile") else ""))
+    for r in rows:
+        v = "n/a " if r["ok"] is None else ("PASS" if r["ok"] else "FAIL")
+        print(f"{v} {r['name']}: {r['layout']}" + ("" if r["ok"] else ": " + "; ".join(r["reasons"])))
+    if reg is not None:
+        for line in registered_drift(rows, reg):
+            print(f"note: {line}")
+    if doc:
+        text = Path(doc).read_text()
+        if DOC_BEGIN not in text or DOC_END not in text or text.index(DOC_BEGIN) > text.index(DOC_END):
+            raise ValueError(f"--doc {doc}: no table markers ({DOC_BEGIN!r} ... {DOC_END!r})")
+        head, rest = text.split(DOC_BEGIN, 1)
+        tail = rest.split(DOC_END, 1)[1]
+        from dsv3_rl.fs import write_text_atomic
+
+        write_text_atomic(doc, head + DOC_BEGIN + "\n" + table + "\n" + DOC_END + tail)
+        print(f"doc: {doc} (table between the markers replaced)")
+    judged = [r for r in rows if r["ok"] is not None]
+    bad = sum(not r["ok"] for r in judged)
+    print(f"summary: {len(judged) - bad}/{len(judged)} GPU bench rows within the planner's tolerances "
+          f"(memory 15%, step time 1.5x; out of memory where the planner says so)"
+          + (f"; {len(rows) - len(judged)} not judged (not a GPU measurement)" if len(rows) > len(judged) else ""))
+    return 1 if bad or not judged else 0
+
+
 @cli_main
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="dsv3-plan", description=__doc__.split("\n\n")[0],
@@ -194,9 +296,36 @@ def main(argv=None) -> int:
     p = sub.add_parser("published", help="verdicts on published DeepSeek-V3 layouts")
     p.add_argument("-v", "--verbose", action="store_true")
     p.set_defaults(func=cmd_published)
+    p = sub.add_parser("phases", help="per-phase prediction (log-prob, update, export) of the GRPO training step for "
+                       "the best layouts and one rejected as out of memory (what bench/bench_grpo_update.py measures)")
+    _common(p)
+    p.add_argument("--layout", action="append", default=[], help="predict these layouts instead of searching (repeatable)")
+    p.add_argument("--top", type=int, default=3, help="best layouts to list")
+    p.add_argument("--oom-factor", type=float, default=1.15,
+                   help="the out-of-memory layout listed: the smallest predicted peak >= this x GPU memory")
+    p.add_argument("--response-mean", type=float, help="mean response length (default: response-len x 0.6)")
+    p.add_argument("--prompt-dist", help="prompt lengths as the bench draws them: fixed:N | uniform:LO:HI | "
+                   "lognormal:MEDIAN:SIGMA:MAX (with --resp-dist; default fixed:--prompt-len)")
+    p.add_argument("--resp-dist", help="response lengths as the bench draws them (seeded sample instead of every "
+                   "response at the mean)")
+    p.add_argument("--seed", type=int, default=1, help="seed of the --resp-dist sample")
+    p.add_argument("--model-set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a key of the --model preset (JSON value), as the bench's --set, e.g. num_hidden_layers=2")
+    p.add_argument("--tag-prefix", default="", help="prefix of the run tags in --json (e.g. 2gpu-)")
+    p.add_argument("--add", action="store_true", help="--json: keep the file's other runs, replace those of the same tag")
+    p.set_defaults(func=cmd_phases)
     p = sub.add_parser("validate", help="predictions vs measured peak memory")
-    p.add_argument("measured", nargs="*", type=Path)
+    p.add_argument("measured", nargs="*", type=Path,
+                   help="measure_train_memory rows (*.jsonl; default tests/assets/planner/measured_*.jsonl) or "
+                   "bench_grpo_update.py results (*.json: per-phase time and memory vs dsv3-plan phases)")
+    p.add_argument("--predicted", type=Path, help="dsv3-plan phases --json file made before the run: its numbers are "
+                   "the table's 'registered' columns, and a drift of today's planner from them is printed")
+    p.add_argument("--doc", type=Path, help="replace the table between the grpo-update-table markers of this "
+                   "markdown file (docs/planner.md)")
     p.set_defaults(func=cmd_validate)
+    from dsv3_rl.planner import async_overlap  # `dsv3-plan async`: what one-step-off buys (issue 27)
+
+    async_overlap.add_parser(sub)
     a = ap.parse_args(argv)
     with usage_errors():
         return a.func(a)

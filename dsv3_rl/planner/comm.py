@@ -86,6 +86,21 @@ def train_flops_per_token(m, seq_mean: float) -> float:
     return dense + attn
 
 
+def batch_flops(m, seq_lens) -> float:
+    """Model FLOPs of one forward pass over a batch of sequences (lengths ``seq_lens``, prompt + response):
+    per token 2 x (activated parameters - the input embedding, a lookup) for the matmuls, and per sequence of
+    length s the causal attention, ``2 * heads * (qk_head_dim + v_head_dim) * s^2 / 2`` per layer (QK^T and PV,
+    half the square). Training = 3 x this (forward + backward); recompute is extra work, not model FLOPs. The
+    one FLOP count of the planner's phase prediction and of ``bench/bench_grpo_update.py``'s MFU
+    (docs/planner.md)."""
+    from dsv3_rl.planner.model import count_params
+
+    c = count_params(m)
+    per_token = 2 * (c.activated - m.embedding_params)
+    attn = m.num_layers * m.num_heads * (m.qk_head_dim + m.v_head_dim)
+    return float(sum(per_token * s + attn * s * s for s in seq_lens))
+
+
 def estimate_train_seconds(m, lay, grpo, opt, cluster, world: int, bubble: float, cv: CommVolume,
                            recompute_factor: float, offload_bytes: float) -> dict:
     gpu = cluster.gpu_type

@@ -143,7 +143,77 @@ def _layer_parts(m, moe: bool, lay, opt, seq: int, batch: int = 1) -> dict[str, 
     else:
         d["ln_mlp"] = (4 * h + 4) / sp
         d["mlp"] = 6 * m.dense_ffn / t
+    if opt.train_precision == "fp8":
+        _fp8_saved_inputs(d, m, moe, lay, opt)
     return d
+
+
+#: bytes per element of a GEMM input TE saves for the backward in FP8: 1 B of data, plus for the blockwise recipe
+#: an fp32 scale per 1 x 128 tile (TE 2.11 Float8BlockQuantizer, block_scaling_dim=1 for activations)
+def _fp8_elem_bytes(opt) -> float:
+    return 1.0 + (4.0 / 128 if opt.fp8_recipe == "blockwise" else 0.0)
+
+
+def _fp8_saved_inputs(d: dict[str, float], m, moe: bool, lay, opt) -> None:
+    """FP8 training (TE spec): every TE GEMM saves its *input* for the weight gradient quantized, 1 B per element
+    (TE 2.11 ``module/linear.py``: ``inputmat.update_usage(rowwise_usage=False, columnwise_usage=True)``, the
+    row-wise copy discarded; ``grouped_linear.py`` / ``layernorm_linear.py`` the same) instead of BF16. Where the
+    BF16 tensor is saved anyway by another op (the core attention output, which flash attention keeps, and the
+    fused norms' inputs) the FP8 copy comes on top; where the GEMM was its only keeper the 2 B become 1 B. Not
+    GEMM inputs and unchanged: q, k, v (flash attention, BF16 unless fp8_dot_product_attention), the fc1 outputs
+    the SwiGLU saves, the router, the norms' inputs, the logits (the output layer is megatron's own
+    ColumnParallelLinear, not TE)."""
+    h, t, etp = m.hidden, lay.tp, lay.etp_
+    sp = t if lay.sp_ else 1
+    f8 = _fp8_elem_bytes(opt)
+    qr, kvr = m.q_lora_rank or 0, m.kv_lora_rank
+    copies = m.topk * etp / sp
+    d["ln_in_out"] += (f8 - 2) * h / sp                     # the down-projections' input (norm output)
+    if qr:
+        d["q_lora"] += (f8 - 2) * qr / sp                   # q up-projection input (its fused norm's output)
+    d["kv_lora"] += (f8 - 2) * kvr / sp                     # kv up-projection input
+    d["attn_out"] += f8 * m.num_heads / t * m.v_head_dim     # linear_proj's FP8 input next to flash's BF16 output
+    d["ln_mlp"] += (f8 - 2) * h / sp                        # fc1 input of the dense MLP / shared expert (norm output)
+    if moe:
+        d["shared"] += (f8 - 2) * m.shared_ffn / t           # shared-expert fc2 input (SwiGLU output)
+        d["experts"] += copies * (f8 - 2) * h                # permuted tokens: grouped fc1 input
+        d["moe_act"] += copies * (f8 - 2) * m.moe_ffn / etp  # grouped fc2 input (SwiGLU output)
+    else:
+        d["mlp"] += (f8 - 2) * m.dense_ffn / t               # fc2 input (SwiGLU output)
+
+
+def fp8_weight_cache_bytes_per_param(opt) -> float:
+    """Extra bytes per TE GEMM weight element with FP8 training: megatron-core's TE wrappers pass
+    ``is_first_microbatch`` (``disable_parameter_transpose_cache`` is off by default,
+    extensions/transformer_engine.py:678-685), so TE keeps the quantized weight in ``module._fp8_workspaces``
+    across micro-batches and steps, with row-wise data for the forward and column-wise (Hopper: a transposed
+    copy) for the backward's dgrad: 2 B, plus fp32 scales per 128 x 128 block for the blockwise recipe. verl frees
+    these caches only on offload (``_clear_te_fp8_weight_workspaces``). With ``fp8_param`` the weight itself is
+    the FP8 tensor (row-wise + column-wise, 2 B) and replaces the BF16 weight: 0 B extra, and the BF16 2 B go
+    (:func:`train_memory`)."""
+    if opt.train_precision != "fp8" or opt.fp8_param:
+        return 0.0
+    return 2.0 + (2 * 4.0 / (128 * 128) if opt.fp8_recipe == "blockwise" else 0.0)
+
+
+def te_gemm_params(m, split, rank: int, lay) -> float:
+    """Weights of TE GEMMs held by one PP rank: every linear layer of the decoder (MLA projections, dense MLP,
+    shared and routed experts, MTP's eh_proj), not the embedding, the output layer, the router or the norms."""
+    tp, ep, etp = lay.tp, lay.ep, lay.etp_
+    a = m.attn_params()
+    norms = a.get("q_a_layernorm", 0) + a["kv_a_layernorm"] + a["input_layernorm"]
+    attn = (sum(a.values()) - norms) / tp
+    n = 0.0
+    for st in split.stages[rank]:
+        idx = list(st.decoder) + [m.num_layers] * st.mtp
+        for i in idx:
+            n += attn
+            if m.is_moe_layer(i):
+                n += 3 * m.hidden * m.shared_ffn / tp + (m.num_experts / ep) * m.expert_params() / etp
+            else:
+                n += 3 * m.hidden * m.dense_ffn / tp
+        n += st.mtp * 2 * m.hidden * m.hidden / tp
+    return n
 
 
 def _dropped(m, moe: bool, lay, opt, parts: dict[str, float], batch: int = 1) -> float:
@@ -285,6 +355,13 @@ def train_memory(m, split, lay, grpo, opt, world: int, n_micro: int) -> tuple[Me
         p = stage_params(m, split, r, lay, opt.transformer_impl)
         mb = MemoryBreakdown(pp_rank=r)
         mb.weights = p.total * w_bytes
+        fp8_cache = 0.0
+        if opt.train_precision == "fp8":
+            gemm = te_gemm_params(m, split, r, lay)
+            # fp8_param: the GEMM weights are FP8 tensors (row-wise + column-wise, 2 B) instead of BF16 (2 B): same
+            # bytes; otherwise the BF16 weights stay and the FP8 cache comes on top
+            fp8_cache = gemm * fp8_weight_cache_bytes_per_param(opt)
+            mb.weights += fp8_cache
         mb.grads = p.total * g_bytes
         if opt.distributed_optimizer:
             mb.optimizer = (p.dense / dp_cp + p.expert / edp) * o_bytes
@@ -336,7 +413,8 @@ def train_memory(m, split, lay, grpo, opt, world: int, n_micro: int) -> tuple[Me
         mb.comm_buffers = _comm_buffer_bytes(m, lay, opt, tokens)
         mb.reserve = opt.reserve_gib * GIB
         mb.detail = dict(params=p.total, dense_params=p.dense, expert_params=p.expert, inflight_chunks=n_inflight,
-                         layers=split.rank_layers(r), tokens_per_microbatch=tokens, attention=attention)
+                         layers=split.rank_layers(r), tokens_per_microbatch=tokens, attention=attention,
+                         fp8_weight_cache=fp8_cache, train_precision=opt.train_precision)
         out.append(mb)
     worst = max(out, key=lambda x: x.total)
     return worst, out

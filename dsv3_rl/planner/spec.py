@@ -119,6 +119,10 @@ class GRPOShape:
         return self.micro_batch_size * self.seq_len
 
 
+#: megatron-core 0.16.1 ``fp8_recipe`` values a Hopper GPU runs (megatron/core/enums.py Fp8Recipe; mxfp8 is
+#: Blackwell-only, custom is a user class)
+FP8_RECIPES = ("delayed", "tensorwise", "blockwise")
+
 #: Options.attention values and the transformer_impl each applies to.
 ATTENTION = {"auto": ("transformer_engine", "local"), "fused": ("transformer_engine",), "sdpa": ("local",),
              "unfused": ("local",)}
@@ -218,6 +222,21 @@ class Options:
     cp_choices: tuple[int, ...] = (1,)
     vpp_choices: tuple[int | None, ...] = (None, 2, 4)
     etp_choices: tuple[int, ...] = (1,)
+    remove_padding: bool = True
+    """[model.use_remove_padding] True: verl packs each micro-batch's sequences (THD, the TE spec); False: BSHD,
+    every micro-batch padded to the longest sequence of the DP rank's mini-batch (verl's default
+    ``pad_bshd_to_minibatch_max``), what the local spec runs: activations and compute scale with the padded tokens
+    (:func:`dsv3_rl.planner.phases.micro_batches`)"""
+    train_precision: str = "bf16"
+    """bf16 | fp8: FP8 GEMMs in training through Transformer Engine (megatron-core ``fp8="e4m3"``, needs
+    ``transformer_impl=transformer_engine``); master params, grads and optimizer states stay as in bf16. Memory:
+    :func:`dsv3_rl.planner.memory.fp8_weight_cache_bytes_per_param` and the FP8-saved GEMM inputs of
+    :func:`dsv3_rl.planner.memory._layer_parts` (docs/planner.md, "FP8 training")"""
+    fp8_recipe: str = "blockwise"
+    """megatron-core 0.16.1 ``fp8_recipe`` on Hopper: delayed | tensorwise (per-tensor scaling) | blockwise
+    (DeepSeek-style: 128x128 weight blocks, 1x128 activation tiles; TE >= 2.3); mxfp8 is Blackwell-only"""
+    fp8_param: bool = False
+    """megatron-core ``fp8_param`` (primary weights kept in FP8 instead of BF16 + an FP8 cache)"""
     mfu: float = 0.35
     """assumed model-FLOPs utilisation for the (ranking-only) step time estimate"""
     optimizer_impl: str = "fused"
@@ -249,6 +268,8 @@ class Options:
             "recompute_method": ("uniform", "block"),
             "optimizer_impl": ("fused", "torch"),
             "rollout_quantization": tuple(_rollout_quantization_modes()),
+            "train_precision": ("bf16", "fp8"),
+            "fp8_recipe": FP8_RECIPES,
         }
         for k, vals in allowed.items():
             if getattr(self, k) not in vals:
@@ -259,6 +280,12 @@ class Options:
             raise ValueError(f"options.attention={self.attention!r} needs transformer_impl in "
                              f"{ATTENTION[self.attention]} (got {self.transformer_impl!r}; TE's own unfused backend "
                              f"is not modelled)")
+        if self.train_precision == "fp8" and self.transformer_impl != "transformer_engine":
+            raise ValueError("options.train_precision='fp8' needs transformer_impl='transformer_engine' (FP8 GEMMs are "
+                             f"Transformer Engine's; got {self.transformer_impl!r})")
+        if self.fp8_param and self.train_precision != "fp8":
+            raise ValueError("options.fp8_param=True needs train_precision='fp8' (megatron-core: 'fp8_param must be used "
+                             "together with fp8 mode')")
         if self.recompute_modules is not None:
             bad = sorted(set(self.recompute_modules) - set(RECOMPUTE_MODULES))
             if bad:

@@ -4,11 +4,17 @@ stream, recomputed on the receiving side; a mismatch names the tensor.
 The digest is computed where the tensor lives (GPU or CPU) with integer torch ops, so it costs one read of
 the tensor and no host copy, and gives the same value on every device for the same bytes: the bytes, read
 as int32 words (zero-padded to a whole word), are summed twice in int64 arithmetic (wrapping mod 2**64,
-which is exact and order-independent): plainly, and weighted by a fixed pseudo-random weight per position
-(the weight vector is one chunk long and each chunk is additionally scaled by its index; chunks are
-processed ``BLOCK_CHUNKS`` at a time, so the extra memory is bounded and the kernel launches are few). The dtype and shape are part of the entry. A swapped pair of tensors, a stale or
-shifted bucket, a transposed or truncated tensor all change some entry; this is an integrity check against
-bugs, not a cryptographic hash.
+which is exact and order-independent): plainly, and weighted by a weight per position that no other position
+of the tensor shares. Word ``i = c * CHUNK_WORDS + p`` (chunk ``c``) weighs ``perm[p] + c * CHUNK_WORDS``, with
+``perm`` a fixed pseudo-random permutation of ``1..CHUNK_WORDS``: the weights are the distinct integers
+``1..words`` (rounded up to whole chunks), so swapping two unequal words ``a != b`` at positions ``i, j``
+changes the weighted sum by ``(a - b) * (w_i - w_j)``, never 0 mod 2**64 (both factors are non-zero and below
+2**33 in size, so their product has fewer than 64 factors of two) for any tensor under 2**33 words (32 GiB;
+DeepSeek-V3's largest, the embedding, is 1.9 GB). Chunks are processed ``BLOCK_CHUNKS`` at a time, so the
+extra memory is bounded and the kernel launches are few; the same integer ops run on CPU and GPU, and the
+weights are drawn on the CPU, so a tensor's digest is the same on every device. The dtype and shape are part
+of the entry. A swapped pair of tensors or of words, a stale or shifted bucket, a transposed or truncated
+tensor all change some entry; this is an integrity check against bugs, not a cryptographic hash.
 
     manifest = Manifest()
     for name, t in manifest.tap(trainer_stream):   # trainer side: record while sending
@@ -19,16 +25,17 @@ bugs, not a cryptographic hash.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
 
+from dsv3_rl.cliargs import env_flag
 from dsv3_rl.errors import Dsv3Error
 
 ENV = "DSV3_REFIT_MANIFEST"
-"""``0`` switches the check in verl's weight sync off (verl patch 0031); on by default."""
+"""``0`` (or another no-word of :func:`dsv3_rl.cliargs.env_flag`) switches the check in verl's weight sync off
+(verl patch 0031); on by default; an unknown word is refused."""
 CHUNK_WORDS = 1 << 20
 BLOCK_CHUNKS = 16
 """Chunks digested per kernel launch: at most 2 x 16 x 8 MiB = 256 MiB of int64 working memory."""
@@ -40,16 +47,22 @@ class ManifestMismatch(Dsv3Error, ValueError):
     """A received tensor differs from what the trainer sent (the message names it)."""
 
 
+class ManifestFormatError(Dsv3Error, ValueError):
+    """A manifest's JSON text is not a manifest (the message names its source and the field)."""
+
+
 def enabled() -> bool:
-    """Whether verl's weight sync (patch 0031) records and checks the manifest: ``DSV3_REFIT_MANIFEST`` != 0."""
-    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+    """Whether verl's weight sync (patch 0031) records and checks the manifest: ``DSV3_REFIT_MANIFEST`` is
+    unset or a yes-word; a no-word (``0``, ``no``, ``off``, ...) switches it off; anything else is refused."""
+    return env_flag(ENV, default=True)
 
 
 def _chunk_weights(device: torch.device) -> torch.Tensor:
+    """``perm``: a fixed permutation of ``1..CHUNK_WORDS`` (int64), drawn on the CPU, cached per device."""
     w = _weights.get(device)
     if w is None:
         g = torch.Generator().manual_seed(0x5EED)
-        w = torch.randint(1, 1 << 31, (CHUNK_WORDS,), generator=g, dtype=torch.int64).to(device)
+        w = (torch.randperm(CHUNK_WORDS, generator=g, dtype=torch.int64) + 1).to(device)
         _weights[device] = w
     return w
 
@@ -68,16 +81,19 @@ def digest(t: torch.Tensor) -> str:
     w = _chunk_weights(words.device)
     acc = torch.zeros(2, dtype=torch.int64, device=words.device)  # plain, weighted
     full = words.numel() // CHUNK_WORDS
+    # word i = c * CHUNK_WORDS + p weighs w[p] + c * CHUNK_WORDS: sum_p x w[p] + CHUNK_WORDS * c * sum_p x, per chunk
     for b0 in range(0, full, BLOCK_CHUNKS):  # whole chunks, BLOCK_CHUNKS at a time: few kernel launches
         b1 = min(full, b0 + BLOCK_CHUNKS)
         c = words[b0 * CHUNK_WORDS:b1 * CHUNK_WORDS].view(b1 - b0, CHUNK_WORDS).to(torch.int64)
-        acc[0] += c.sum()
-        scale = torch.arange(2 * b0 + 1, 2 * b1, 2, dtype=torch.int64, device=words.device)
-        acc[1] += ((c * w).sum(dim=1) * scale).sum()
+        rows = c.sum(dim=1)
+        acc[0] += rows.sum()
+        index = torch.arange(b0, b1, dtype=torch.int64, device=words.device)
+        acc[1] += (c * w).sum() + (rows * index).sum() * CHUNK_WORDS
     tail = words[full * CHUNK_WORDS:].to(torch.int64)
     if tail.numel():
-        acc[0] += tail.sum()
-        acc[1] += (tail * w[: tail.numel()]).sum() * (2 * full + 1)
+        rows = tail.sum()
+        acc[0] += rows
+        acc[1] += (tail * w[: tail.numel()]).sum() + rows * (full * CHUNK_WORDS)
     plain, weighted = acc.tolist()
     return f"{plain & _MASK:016x}{weighted & _MASK:016x}"
 
@@ -101,14 +117,18 @@ def _compare(name: str, want: Entry, got: Entry) -> None:
 
 
 class Manifest:
-    """Ordered ``name -> Entry`` of one export."""
+    """Ordered ``name -> Entry`` of one export. ROLE says what :meth:`add` records, for its messages:
+    ``"exported"`` (the trainer's side) or ``"received"`` (the receiver's own record)."""
 
-    def __init__(self, entries: dict[str, Entry] | None = None):
+    def __init__(self, entries: dict[str, Entry] | None = None, *, role: str = "exported"):
+        if role not in ("exported", "received"):
+            raise ValueError(f"Manifest role {role!r}; allowed: exported, received")
         self.entries: dict[str, Entry] = dict(entries or {})
+        self.role = role
 
     def add(self, name: str, t: torch.Tensor) -> None:
         if name in self.entries:
-            raise ManifestMismatch(f"tensor {name!r} exported twice")
+            raise ManifestMismatch(f"tensor {name!r} {self.role} twice in one refit")
         self.entries[name] = Entry.of(t)
 
     def tap(self, stream: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -126,7 +146,7 @@ class Manifest:
 
     def verify(self, received: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Receiver side, the whole export: every tensor matches and none is missing. Returns the count."""
-        got = Manifest()
+        got = Manifest(role="received")
         for name, t in received:
             self.check(name, t)
             got.add(name, t)
@@ -148,8 +168,26 @@ class Manifest:
         return json.dumps({n: [e.dtype, list(e.shape), e.digest] for n, e in self.entries.items()})
 
     @classmethod
-    def from_json(cls, text: str) -> Manifest:
-        return cls({n: Entry(d, tuple(s), h) for n, (d, s, h) in json.loads(text).items()})
+    def from_json(cls, text: str | bytes, source: str = "the refit manifest") -> Manifest:
+        """The manifest :meth:`to_json` wrote; raises ManifestFormatError naming SOURCE (and the tensor or field)
+        when TEXT is not valid JSON or not ``{name: [dtype, [shape...], digest]}``."""
+        try:
+            data = json.loads(text)
+        except (json.JSONDecodeError, UnicodeDecodeError, TypeError) as e:
+            raise ManifestFormatError(f"{source}: not valid JSON ({e})") from None
+        if not isinstance(data, dict):
+            raise ManifestFormatError(f"{source}: a JSON {type(data).__name__}; expected an object "
+                                      f"{{tensor name: [dtype, shape, digest]}}")
+        entries = {}
+        for n, v in data.items():
+            ok = (isinstance(v, list) and len(v) == 3 and isinstance(v[0], str) and isinstance(v[1], list)
+                  and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v[1])
+                  and isinstance(v[2], str) and len(v[2]) == 32)
+            if not ok:
+                raise ManifestFormatError(f"{source}: entry of tensor {n!r} is {json.dumps(v)[:120]}; expected "
+                                          f"[dtype, [non-negative sizes], 32-hex-digit digest]")
+            entries[n] = Entry(v[0], tuple(v[1]), v[2])
+        return cls(entries)
 
     def __len__(self) -> int:
         return len(self.entries)

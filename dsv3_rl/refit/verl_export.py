@@ -10,12 +10,23 @@ and ``verl.workers.config`` (type annotations only) gets placeholder classes. Wh
 package is already imported (the CPU suite), that one is used.
 
 This is what lets bench/bench_refit.py run on the GPU box (torch + megatron-core, no Ray).
+
+``load_engine()`` goes further, for bench/bench_grpo_update.py: verl's Megatron training engine
+(``verl.workers.engine``: MegatronEngine, its config dataclasses, ``ppo_loss``, the GRPO advantage) needs
+tensordict, omegaconf and codetiming (small wheels, carried to the GPU box in ``.whl/``) and imports modules
+that ``import ray`` at module level (``verl.protocol``, ``verl.single_controller``, ``verl.utils.distributed``,
+the checkpoint engines) without calling Ray on the engine's path. Where Ray is not installed (the GPU box: it
+is too big to carry) ``install_ray_stub()`` registers a stand-in ``ray`` package that provides what those
+modules touch at import time (``@ray.remote`` returns the class or function unchanged, any other attribute is
+another stand-in) and raises, naming this module, if anything actually calls into Ray. Where Ray is
+installed nothing is replaced.
 """
 
 from __future__ import annotations
 
 import ast
 import importlib
+import importlib.abc
 import importlib.util
 import sys
 import types
@@ -101,6 +112,94 @@ def import_module(name: str):
     if "verl" not in sys.modules and importlib.util.find_spec("ray") is None:
         _install_light(verl_root())
     return importlib.import_module(name)
+
+
+class RayNotInstalled(RuntimeError):
+    """verl code tried to use Ray in a process where only the import-time stand-in exists."""
+
+
+class _RayStandIn:
+    """One attribute of the stand-in ``ray``: decorator use passes through, anything else is another
+    stand-in; calling it with other arguments (a real Ray call) raises."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getattr__(self, attr: str) -> _RayStandIn:
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return _RayStandIn(f"{self._name}.{attr}")
+
+    def __call__(self, *args, **kwargs):
+        if self._name == "ray.remote":
+            if len(args) == 1 and not kwargs and callable(args[0]):
+                return args[0]  # @ray.remote
+            return lambda obj: obj  # @ray.remote(num_cpus=...)
+        raise RayNotInstalled(f"{self._name}() called, but Ray is not installed here; dsv3_rl.refit.verl_export "
+                              "only stands in for Ray's import-time names (install ray to run this code path)")
+
+    def __mro_entries__(self, bases):  # class X(ray.SomeBase)
+        return (object,)
+
+    def __getitem__(self, item):  # ray.ObjectRef[...] in annotations
+        return self
+
+    def __or__(self, other):  # ray.ObjectRef | None in annotations
+        return self
+
+    __ror__ = __or__
+
+    def __repr__(self) -> str:
+        return f"<stand-in for {self._name} (Ray not installed)>"
+
+
+class _RayModule(types.ModuleType):
+    def __getattr__(self, attr: str):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return _RayStandIn(f"{self.__name__}.{attr}")
+
+
+class _RayFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, name, path, target=None):
+        if name == "ray" or name.startswith("ray."):
+            return importlib.util.spec_from_loader(name, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        mod = _RayModule(spec.name)
+        mod.__path__ = []
+        mod.__doc__ = "import-time stand-in for Ray (dsv3_rl.refit.verl_export.install_ray_stub)"
+        mod.RAY_STAND_IN = True
+        return mod
+
+    def exec_module(self, module):
+        pass
+
+
+def install_ray_stub() -> bool:
+    """Register the import-time stand-in for ``ray`` where Ray is not installed; True if it is in place."""
+    if any(isinstance(f, _RayFinder) for f in sys.meta_path):
+        return True
+    marked = "ray" in sys.modules and sys.modules["ray"] is None  # sys.modules["ray"] = None: "not installed"
+    if not marked and ("ray" in sys.modules or importlib.util.find_spec("ray") is not None):
+        return False
+    for name in [n for n in sys.modules if n == "ray" or n.startswith("ray.")]:
+        del sys.modules[name]
+    sys.meta_path.insert(0, _RayFinder())
+    return True
+
+
+def load_engine():
+    """verl's package with its Megatron training engine importable; Ray stood in for where it is not
+    installed. Returns ``(verl.workers.engine.megatron.transformer_impl, ray_stand_in)``."""
+    if "verl" in sys.modules and not getattr(sys.modules["verl"], "__file__", None):
+        raise RuntimeError("verl was imported by the light export loader in this process; load_engine() first")
+    stub = install_ray_stub()
+    verl_root()  # fails with VerlNotFound naming where it looked
+    if importlib.util.find_spec("verl") is None:
+        sys.path.insert(0, str(verl_root().parent))
+    return importlib.import_module("verl.workers.engine.megatron.transformer_impl"), stub
 
 
 def load(light: bool = False) -> VerlExport:

@@ -541,9 +541,13 @@ def test_fix_config_not_json(cfg_dir, capsys):
 
 def test_tensor_dtype_rules_and_twin():
     check_tensor_dtypes({"model.layers.0.self_attn.o_proj.weight": "F8_E4M3",
-                         "model.embed_tokens.weight": "BF16", "model.norm.weight": "F32"}, "x")
-    with pytest.raises(ConfigError, match="'model.embed_tokens.weight' has dtype F8_E4M3"):
+                         "model.embed_tokens.weight": "BF16", "model.norm.weight": "F32"}, "x",
+                        scaled={"model.layers.0.self_attn.o_proj.weight"})
+    check_tensor_dtypes({"model.layers.3.eh_proj.weight": "F8_E4M3"}, "x", scaled={"model.layers.3.eh_proj.weight"})
+    with pytest.raises(ConfigError, match="FP8 tensor 'model.embed_tokens.weight' has no scale"):
         check_tensor_dtypes({"model.embed_tokens.weight": "F8_E4M3"}, "x")
+    with pytest.raises(ConfigError, match="FP8 tensor 'model.layers.0.self_attn.o_proj.weight' has no scale"):
+        check_tensor_dtypes({"model.layers.0.self_attn.o_proj.weight": "F8_E4M3"}, "x")
     with pytest.raises(ConfigError, match="'model.norm.weight' has dtype I64"):
         check_tensor_dtypes({"model.norm.weight": "I64"}, "x")
 
@@ -822,10 +826,14 @@ def test_data_local_dir_is_a_file(tmp_path, capsys):
     assert f.read_text() == "x"
 
 
-def test_data_negative_size(tmp_path, capsys):
-    capsys.readouterr()
-    assert _prep(tmp_path / "o", "--train-size", "-5") == 2
-    one_line(capsys.readouterr().err, "--train-size", "-5")
+@pytest.mark.parametrize("flag, value", [("--train-size", "-5"), ("--test-size", "0"), ("--max-prompt-length", "0"),
+                                         ("--max-bad-frac", "1.5")])
+def test_data_out_of_range_flag(tmp_path, capsys, flag, value):
+    """A flag's range is its argparse type (cliargs): argparse's exit 2 naming it, before anything is read."""
+    from dsv3_rl.data import math_lighteval
+
+    rc, err = call(math_lighteval.main, ["--input-dir", MATH_MINI, "--out", tmp_path / "o", flag, value], capsys)
+    assert rc == 2 and f"argument {flag}: '{value}' is not" in err, err
     assert not (tmp_path / "o").exists()
 
 
@@ -990,3 +998,420 @@ def test_force_stage_reaches_the_tool(tmp_path, capsys):
     assert st.signature()["command"] == st.argv  # the marker does not record the force flag
     with pytest.raises(PresetError, match="--force-stage 'nope'.*fp8_cast"):
         _force_stages(launch, ["nope"])
+
+
+# ------------------------------------------------- issue 29: the newer tools (warm start, synthetic data, ...)
+
+DEMO_DATA = REPO / "examples" / "deepseek_v3" / "data" / "identity-arith"
+DEMO_MODEL = REPO / "examples" / "deepseek_v3" / "models" / "dsv3-tiny-warm"
+
+
+def _warm(argv, capsys):
+    from dsv3_rl.models import warm_start
+
+    return call(warm_start.main, argv, capsys)
+
+
+def test_warm_start_refuses_a_users_directory(tmp_path, capsys):
+    """Issue 29: --out over a user's directory replaced it (their files gone, exit 0)."""
+    out = tmp_path / "mine"
+    (out / "sub").mkdir(parents=True)
+    (out / "notes.txt").write_text("mine")
+    (out / "sub" / "x").write_text("mine too")
+    before = snapshot(out)
+    rc, err = _warm(["--data", DEMO_DATA, "--out", out], capsys)
+    assert rc == 2
+    one_line(err, str(out), "not an output of this tool", "warm_start.json")
+    assert snapshot(out) == before and not leftovers(tmp_path, "mine")
+
+
+def test_warm_start_output_check_twin(tmp_path):
+    """Twin: a new, an empty and an earlier warm-start directory pass the check the user's directory fails."""
+    from dsv3_rl.models.warm_start import MARKER, WarmStartError, check_out
+
+    check_out(tmp_path / "new")
+    (tmp_path / "empty").mkdir()
+    check_out(tmp_path / "empty")
+    check_out(DEMO_MODEL)  # the shipped warm start (holds warm_start.json)
+    earlier = tmp_path / "earlier"
+    shutil.copytree(DEMO_MODEL, earlier)
+    (earlier / MARKER).unlink()
+    with pytest.raises(WarmStartError, match="not an output of this tool"):
+        check_out(earlier)
+
+
+def test_warm_start_data_without_the_expected_column(tmp_path, capsys):
+    """Issue 29: a KeyError after the model was built, leaving OUT.tmp-PID."""
+    import pyarrow as pa
+
+    data = tmp_path / "task" / "data"
+    data.mkdir(parents=True)
+    for split in ("train", "test"):
+        pq.write_table(pa.Table.from_pylist([{"question": "What is 1?", "answer": "1"}]),
+                       data / f"{split}-00000-of-00001.parquet")
+    rc, err = _warm(["--data", tmp_path / "task", "--out", tmp_path / "o"], capsys)
+    assert rc == 2
+    one_line(err, "train-00000-of-00001.parquet", "no column problem, solution", "question, answer",
+             "dsv3-prep-data synthetic")
+    assert not (tmp_path / "o").exists() and not leftovers(tmp_path, "o")
+
+
+def test_warm_start_missing_data_says_what_it_expected(tmp_path, capsys):
+    rc, err = _warm(["--data", "/nonexistent", "--out", tmp_path / "o"], capsys)
+    assert rc == 2
+    one_line(err, "--data /nonexistent", "expected the synthetic task in MATH layout", "dsv3-prep-data synthetic")
+    (tmp_path / "half" / "data").mkdir(parents=True)
+    shutil.copy(DEMO_DATA / "data" / "train-00000-of-00001.parquet", tmp_path / "half" / "data")
+    rc, err = _warm(["--data", tmp_path / "half", "--out", tmp_path / "o"], capsys)
+    assert rc == 2
+    one_line(err, "test-00000-of-00001.parquet not found")
+
+
+@pytest.mark.parametrize("target", ["-1", "1.5", "0", "1", "nan", "x"])
+def test_warm_start_target_out_of_range_is_refused_up_front(tmp_path, capsys, target):
+    """Issue 29: --target -1 failed after 218 s (leaving a 3.9 MB temp dir), --target 1.5 wrote a model."""
+    rc, err = _warm(["--data", DEMO_DATA, "--out", tmp_path / "o", "--target", target], capsys)
+    assert rc == 2 and "argument --target" in err and "strictly between 0 and 1" in err, err
+    assert not (tmp_path / "o").exists()
+
+
+def test_warm_start_target_in_range_twin(tmp_path, capsys):
+    """Twin: --target 0.5 parses (the run then stops at the next check: the missing data)."""
+    rc, err = _warm(["--data", tmp_path / "none", "--out", tmp_path / "o", "--target", "0.5"], capsys)
+    assert rc == 2
+    one_line(err, "--data")
+
+
+def test_warm_start_interrupt_leaves_no_tmp(tmp_path, capsys, monkeypatch):
+    """Issue 29: after Ctrl-C the warm start said "nothing half-written is kept" but left OUT.tmp-PID."""
+    from dsv3_rl.models import mini_model
+
+    def interrupted(preset, out_dir, **kw):
+        Path(out_dir).mkdir(parents=True)
+        (Path(out_dir) / "model.safetensors").write_bytes(b"half")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(mini_model, "write_mini_model", interrupted)
+    rc, err = _warm(["--data", DEMO_DATA, "--out", tmp_path / "o"], capsys)
+    assert rc == 130
+    one_line(err, "OUT.tmp-PID removed", "start over", kind="interrupted")
+    assert not (tmp_path / "o").exists() and not leftovers(tmp_path, "o")
+
+
+def test_warm_start_interrupt_check_twin(tmp_path, capsys, monkeypatch):
+    """Twin: with the clean-up disabled, the same interrupt leaves OUT.tmp-PID, and the check above sees it."""
+    from dsv3_rl.models import mini_model, warm_start
+
+    def interrupted(preset, out_dir, **kw):
+        Path(out_dir).mkdir(parents=True)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(mini_model, "write_mini_model", interrupted)
+    monkeypatch.setattr(warm_start.shutil, "rmtree", lambda *a, **k: None)
+    assert _warm(["--data", DEMO_DATA, "--out", tmp_path / "o"], capsys)[0] == 130
+    assert leftovers(tmp_path, "o") == [f"o.tmp-{os.getpid()}"]
+
+
+def _synthetic(out: Path, *extra) -> int:
+    from dsv3_rl.data import cli
+
+    return cli.main(["synthetic", "--out", str(out), *map(str, extra)])
+
+
+def _mixed(out: Path) -> list[str]:
+    """Test problems that are also train problems in OUT (a seed-0 test split beside a seed-1 train split)."""
+    files = {s: out / "data" / f"{s}-00000-of-00001.parquet" for s in ("train", "test")}
+    problems = {s: set(pq.read_table(f).column("problem").to_pylist()) for s, f in files.items()}
+    return sorted(problems["train"] & problems["test"])
+
+
+def _fail_on_second_write(monkeypatch):
+    real, calls = pq.write_table, []
+
+    def write(table, where, *a, **k):
+        calls.append(where)
+        if len(calls) == 2:  # the test split, after train
+            raise OSError(errno.EACCES, "Permission denied", str(where))
+        return real(table, where, *a, **k)
+
+    monkeypatch.setattr(pq, "write_table", write)
+
+
+def test_synthetic_failure_on_test_leaves_the_previous_output(tmp_path, capsys, monkeypatch):
+    """Issue 29: a seed-1 run over a seed-0 output whose test file could not be replaced replaced train:
+    14 of 18 test problems were then in train. Now both files are swapped in at once, or neither."""
+    out = tmp_path / "task"
+    assert _synthetic(out) == 0 and _mixed(out) == []
+    before = snapshot(out)
+    _fail_on_second_write(monkeypatch)
+    capsys.readouterr()
+    assert _synthetic(out, "--seed", "1") == 2
+    one_line(capsys.readouterr().err, "read-only")
+    assert snapshot(out) == before and _mixed(out) == []
+    assert not [p.name for p in out.iterdir() if p.name != "data"] and not leftovers(out, "data")
+    monkeypatch.undo()
+    assert _synthetic(out, "--seed", "1") == 0 and _mixed(out) == [] and snapshot(out) != before
+
+
+def test_synthetic_mix_check_twin(tmp_path, monkeypatch):
+    """Twin: writing file by file (as before issue 29), the same failure leaves a mixed output that _mixed sees."""
+    import pyarrow as pa
+
+    from dsv3_rl.data import synthetic
+
+    out = tmp_path / "task"
+    assert _synthetic(out) == 0
+    _fail_on_second_write(monkeypatch)
+    with pytest.raises(OSError):
+        for name, rows in zip(synthetic.FILES, synthetic.rows(1), strict=True):
+            pq.write_table(pa.Table.from_pylist(rows), out / "data" / name)
+    assert len(_mixed(out)) > 0
+
+
+def test_synthetic_refuses_a_directory_where_a_split_goes(tmp_path, capsys):
+    out = tmp_path / "task"
+    assert _synthetic(out) == 0
+    (out / "data" / "test-00000-of-00001.parquet").unlink()
+    (out / "data" / "test-00000-of-00001.parquet").mkdir()
+    (out / "data" / "test-00000-of-00001.parquet" / "mine").write_text("mine")
+    before = snapshot(out)
+    capsys.readouterr()
+    assert _synthetic(out, "--seed", "1") == 2
+    one_line(capsys.readouterr().err, "test-00000-of-00001.parquet: not a file", "nothing was replaced")
+    assert snapshot(out) == before and not leftovers(out, "data")
+
+
+def test_replace_dir_puts_the_old_one_back_when_the_swap_fails(tmp_path, monkeypatch):
+    from dsv3_rl import fs
+
+    out, staged = tmp_path / "out", tmp_path / "staged"
+    out.mkdir()
+    (out / "f").write_text("old")
+    staged.mkdir()
+    (staged / "f").write_text("new")
+    real = os.replace
+
+    def fail_second(a, b):
+        if Path(a) == staged:
+            raise OSError(errno.EXDEV, "Invalid cross-device link", str(a))
+        return real(a, b)
+
+    monkeypatch.setattr(fs.os, "replace", fail_second)
+    with pytest.raises(OSError):
+        fs.replace_dir(staged, out)
+    assert (out / "f").read_text() == "old" and (staged / "f").read_text() == "new"
+
+
+def test_mini_model_refuses_an_unusable_override(tmp_path, capsys):
+    """Issue 29 (bench_refit --set hidden_size=-4 -> 'unexpected RuntimeError'): every tool that takes a model
+    preset with --set overrides validates the result (presets.preset_kwargs)."""
+    from dsv3_rl.models import mini_model
+
+    rc, err = call(mini_model.main, ["--model", "tiny", "--out", tmp_path / "m", "--set", "hidden_size=-4"], capsys)
+    assert rc == 2
+    one_line(err, "hidden_size = -4", "expected an integer >= 1")
+    assert not (tmp_path / "m").exists() and not leftovers(tmp_path, "m")
+    from dsv3_rl.models.presets import preset_kwargs
+
+    assert preset_kwargs("tiny", {"hidden_size": 64})["hidden_size"] == 64  # twin: a usable override passes
+
+
+def _consistency(argv, capsys):
+    from dsv3_rl.consistency import cli
+
+    return call(cli.main, argv, capsys)
+
+
+@pytest.fixture
+def demo_model_copy(tmp_path):
+    d = tmp_path / "model"
+    shutil.copytree(DEMO_MODEL, d)
+    return d
+
+
+def test_consistency_refuses_a_dense_model(demo_model_copy, capsys):
+    """Issue 29: a dense model ran vLLM and megatron, then failed 'no TopKRouter to record' as a bug (exit 1)."""
+    cfg = json.loads((demo_model_copy / "config.json").read_text())
+    cfg["first_k_dense_replace"] = cfg["num_hidden_layers"]
+    (demo_model_copy / "config.json").write_text(json.dumps(cfg))
+    rc, err = _consistency(["run", "--model", demo_model_copy], capsys)
+    assert rc == 2
+    one_line(err, str(demo_model_copy), "a dense model", "no MoE layer")
+
+
+def test_consistency_refuses_a_model_without_tokenizer(demo_model_copy, capsys):
+    """Issue 29: one huge flattened vLLM traceback line, exit 1."""
+    for f in demo_model_copy.glob("tokenizer*"):
+        f.unlink()
+    rc, err = _consistency(["run", "--model", demo_model_copy], capsys)
+    assert rc == 2
+    one_line(err, str(demo_model_copy), "no usable tokenizer", "tokenizer.json")
+
+
+def test_consistency_model_checks_twin(capsys):
+    """Twin: the demo's model passes the model checks (and --max-tokens 600 is honoured: vLLM gets room for
+    the longest prompt + 600 tokens, not the 512 that cut it to 500)."""
+    from dsv3_rl.consistency.cli import DEFAULT_MODEL_LEN, check_model, load_prompts
+
+    prompts = load_prompts("8")
+    assert check_model(DEMO_MODEL, prompts, 24) == DEFAULT_MODEL_LEN
+    n = check_model(DEMO_MODEL, prompts, 600)
+    assert 600 < n <= 1024 and n - 600 == max(len(p) for p in _prompt_ids(prompts))
+
+
+def _prompt_ids(prompts):
+    from transformers import AutoTokenizer
+
+    from dsv3_rl.consistency.vllm_side import prompt_ids
+
+    tok = AutoTokenizer.from_pretrained(DEMO_MODEL)
+    return [prompt_ids(tok, p) for p in prompts]
+
+
+def test_consistency_refuses_more_tokens_than_the_model_takes(capsys):
+    rc, err = _consistency(["run", "--max-tokens", "2000"], capsys)
+    assert rc == 2
+    one_line(err, "--max-tokens 2000", "max_position_embeddings", "at most")
+
+
+@pytest.mark.parametrize("flag", ["--out", "--json"])
+def test_consistency_read_only_output_is_refused_before_the_run(tmp_path, capsys, monkeypatch, flag):
+    """Issue 29: a read-only --out lost the valid --json (plots were written first, after the whole run)."""
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    read_only(monkeypatch, ro)
+    target = ro / ("plots" if flag == "--out" else "r.json")
+    rc, err = _consistency(["run", flag, target], capsys)
+    monkeypatch.undo()
+    assert rc == 2
+    one_line(err, flag, "read-only")
+
+
+def test_consistency_json_is_written_before_the_plots(tmp_path, capsys, monkeypatch):
+    """The report reaches --json even when the plots then fail."""
+    from dsv3_rl.consistency import cli, mcore_side
+
+    class NoTrainer:
+        def __init__(self, *a):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    def bad_plots(report, out):
+        raise OSError(errno.EROFS, "Read-only file system", str(out))
+
+    monkeypatch.setattr(mcore_side, "Trainer", NoTrainer)
+    monkeypatch.setattr(cli, "check_model", lambda *a: 512)
+    rec = {"route_agreement": 1.0, "logprob_abs_diff_mean": 0.0, "logprob_abs_diff_max": 0.0, "k3_kl": 0.0,
+           "tokens": 1, "per_layer": []}
+    report = {"without_replay": rec, "with_replay": {**rec, "passes": {"update": rec}}, "dtype": "bf16",
+              "sequences": 1, "routed_rows": 1}
+    monkeypatch.setattr(cli, "_measure", lambda *a, **k: (report, None))
+    monkeypatch.setattr(cli, "write_plots", bad_plots)
+    rc, err = _consistency(["run", "--json", tmp_path / "r.json", "--out", tmp_path / "plots"], capsys)
+    assert rc == 2 and "read-only" in err
+    assert json.loads((tmp_path / "r.json").read_text())["passed"] is True
+
+
+def _replay(argv, capsys, monkeypatch, world=None):
+    from dsv3_rl.consistency import replay_check
+
+    for k in ("WORLD_SIZE", "RANK"):
+        monkeypatch.delenv(k, raising=False)
+    if world:
+        monkeypatch.setenv("WORLD_SIZE", str(world))
+    return call(replay_check.main, argv, capsys)
+
+
+def test_replay_check_refuses_an_unknown_model(capsys, monkeypatch):
+    rc, err = _replay(["--model", "nosuch"], capsys, monkeypatch)
+    assert rc == 2
+    one_line(err, "--model", "'nosuch'", "tiny-vllm")
+
+
+def test_replay_check_refuses_a_layout_without_its_ranks(capsys, monkeypatch):
+    """Issue 29: --layout tp=2,ep=2 without torchrun was 'unexpected ValueError (a bug)'."""
+    rc, err = _replay(["--layout", "tp=2,ep=2"], capsys, monkeypatch)
+    assert rc == 2
+    one_line(err, "--layout tp=2,ep=2", "not started by torchrun", "torchrun --nproc-per-node 4")
+    rc, err = _replay(["--layout", "tp=2,ep=2,etp=1"], capsys, monkeypatch, world=3)
+    assert rc == 2
+    one_line(err, "torchrun started 3 process(es)", "--nproc-per-node 2")
+
+
+def test_replay_check_layout_twin(monkeypatch):
+    """Twin: the same layout at a world size it divides passes the check."""
+    import argparse
+
+    from dsv3_rl.consistency.replay_check import check_args
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    check_args(argparse.Namespace(model="tiny-vllm", layout="tp=2,ep=2"))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    check_args(argparse.Namespace(model="tiny-vllm", layout="tp=2,ep=2,etp=1"))
+
+
+@pytest.mark.parametrize("argv, needle", [(["--seq-length", "0"], "argument --seq-length"),
+                                          (["--layout", "tp=0"], "Layout.tp=0")])
+def test_replay_check_refuses_bad_sizes(capsys, monkeypatch, argv, needle):
+    rc, err = _replay(argv, capsys, monkeypatch)
+    assert rc == 2 and needle in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("rollout, needle", [("tp=0,gpus=96", "RolloutLayout.tp=0: a parallel size is an integer >= 1"),
+                                             ("tp=4", "RolloutLayout: missing key(s) ['gpus']")])
+def test_planner_refuses_a_bad_rollout_layout(capsys, rollout, needle):
+    """Issue 29: dsv3-plan check --rollout tp=0 was 'unexpected ZeroDivisionError (a bug)'."""
+    from dsv3_rl.planner.cli import main
+
+    argv = ["check", "--model", "671b", "--gpu", "H20", "--nodes", "12", "--layout", "tp=8,pp=12,ep=8,etp=1"]
+    rc, err = call(main, argv + ["--rollout", rollout], capsys)
+    assert rc == 2
+    one_line(err, needle)
+    rc, err = call(main, argv + ["--rollout", "tp=8,gpus=96"], capsys)  # twin: a valid rollout layout is planned
+    assert rc in (0, 1) and "error:" not in err, err
+
+
+@pytest.mark.parametrize("value, on", [(None, False), ("1", True), ("y", True), ("off", False), ("0", False),
+                                       ("bogus", True)])
+def test_debug_switch_reads_the_shared_words(monkeypatch, value, on):
+    """DSV3_DEBUG through cliargs.env_flag (before: 'off' turned tracebacks on); an unknown word turns them on."""
+    if value is None:
+        monkeypatch.delenv("DSV3_DEBUG", raising=False)
+    else:
+        monkeypatch.setenv("DSV3_DEBUG", value)
+    assert errors.debug_enabled() is on
+
+
+@pytest.mark.parametrize("kind, text, ok", [
+    ("positive_int", "1", True), ("positive_int", "0", False), ("positive_int", "-3", False),
+    ("positive_int", "x", False), ("positive_int", "2.5", False), ("non_negative_int", "0", True),
+    ("non_negative_int", "-1", False), ("fraction", "0", True), ("fraction", "1", True), ("fraction", "0.5", True),
+    ("fraction", "1.01", False), ("fraction", "-0.1", False), ("fraction", "nan", False), ("fraction", "inf", False),
+    ("open_fraction", "0.2", True), ("open_fraction", "0", False), ("open_fraction", "1", False),
+])
+def test_argparse_range_types(kind, text, ok):
+    """The shared argparse types (dsv3_rl.cliargs) accept the range they name and refuse the rest by value."""
+    import argparse
+
+    from dsv3_rl import cliargs
+
+    check = getattr(cliargs, kind)
+    if ok:
+        assert check(text) == (int(text) if kind.endswith("int") else float(text))
+    else:
+        with pytest.raises(argparse.ArgumentTypeError, match=f"^'{text}' is not "):
+            check(text)
+
+
+@pytest.mark.parametrize("flag", ["--workers", "--chunk-mb"])
+def test_fp8_cast_size_flags_are_positive(tmp_path, capsys, flag):
+    """--workers 0 silently meant "from the CPU count", --chunk-mb -1 a negative chunk: refused by argparse now."""
+    for value in ("0", "-1"):
+        rc, err = call(fp8.main, ["cast", tmp_path / "in", tmp_path / "out", flag, value], capsys)
+        assert rc == 2 and f"argument {flag}: '{value}' is not an integer >= 1" in err, err
+    assert not (tmp_path / "out").exists()

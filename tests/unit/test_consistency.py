@@ -108,11 +108,14 @@ def test_cli_refuses_bad_input_with_one_line(tmp_path):
     bad = tmp_path / "p.json"
     bad.write_text('{"not": "a list"}')
     for args, needle in ((["run", "--prompts", str(bad)], "must be a non-empty JSON list"),
-                         (["run", "--model", str(tmp_path)], "no config.json"),
-                         (["run", "--min-agreement", "2"], "must be within 0..1")):
+                         (["run", "--model", str(tmp_path)], "no config.json")):
         proc = _cli(*args, timeout=120)
         assert proc.returncode == 2, proc.stderr
         assert proc.stderr.strip().startswith("error:") and needle in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    for args, needle in ((["run", "--min-agreement", "2"], "argument --min-agreement: '2' is not a number within 0..1"),
+                         (["run", "--max-tokens", "0"], "argument --max-tokens: '0' is not an integer >= 1")):
+        proc = _cli(*args, timeout=120)  # argparse: its usage line, then the error naming the flag
+        assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].endswith(needle), proc.stderr
 
 
 @pytest.mark.slow

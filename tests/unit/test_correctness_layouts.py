@@ -37,7 +37,8 @@ EXPECTED = {
     "rope-interleave-false": "HF config expressible in megatron-core",
     "rope-interleave-false-unchecked": "Layer 0 Attention Output",
 }
-FAULTS = list(faults.FAULTS)
+# the patch-0001 twin needs the Transformer Engine spec (GPU box): refused on this CPU, tested by the GPU session
+FAULTS = [n for n in faults.FAULTS if not faults.get(n).needs_te]
 
 
 @pytest.fixture(scope="module")
@@ -114,8 +115,10 @@ def test_tp2_without_sequence_parallel_doubles_expert_and_q_norm_grads(results):
     """Known megatron-core behaviour, pinned: MoE + TP without SP is refused for training; forced
     (eval mode) the forward matches but routed-expert grads and MLA's q_a_layernorm grad are 2x
     (finalize_model_grads all-reduces 'q_layernorm' over TP for qk_layernorm models). If this test
-    starts failing because the layout PASSes, megatron fixed it: move tp2_nosp into CI_LAYOUTS."""
+    starts failing because the layout PASSes, megatron fixed it: move tp2_nosp into CI_LAYOUTS (the suite then
+    reports it XPASS and fails until its known_fail is removed)."""
     r = results[0]["tp2_nosp"]
+    assert r.status == "XFAIL" and r.known_fail == layouts.get("tp2_nosp").known_fail  # reported, not a FAIL
     fwd = [c for c in r.checks if c.section in FORWARD_SECTIONS]
     assert fwd and all(c.passed for c in fwd)
     failing = _failing(r)
@@ -132,6 +135,7 @@ def test_batched_p2p_at_pp2_vpp2_gives_wrong_activations(results):
     computes on the wrong tensors (gloo here; the GPU run shows NCCL does the same)."""
     r = results[0]["pp2_vpp2_batchp2p"]
     assert not r.passed, "pp2_vpp2 with batch_p2p_comm=True PASSED: megatron fixed it, the config_map default can go"
+    assert r.status == "XFAIL"
     assert any(c.section in FORWARD_SECTIONS for c in _failing(r)), [c.name for c in _failing(r)][:10]
 
 

@@ -243,6 +243,42 @@ def test_fp8_tensor_without_scale(src_copy, tmp_path):
     expect_error(src_copy, tmp_path / "o", f"FP8 tensor '{name}' has no scale: '{name}_scale_inv' is missing")
 
 
+def _requantize(name: str):
+    """An edit for rewrite_shard: NAME (BF16 in the release) stored as FP8 with its scale_inv, as a re-quantized
+    DeepSeek-V3 variant ships it."""
+    from dsv3_rl.checkpoint.fp8_kernels import quantize
+
+    def edit(t):
+        t[name], t[name + "_scale_inv"] = quantize(t[name].float(), "amax")
+    return edit
+
+
+@pytest.mark.parametrize("name", ["model.layers.2.eh_proj.weight", "model.embed_tokens.weight"])
+def test_fp8_weight_with_scale_is_dequantized_whatever_its_name(src_copy, tmp_path, name):
+    """Issue 29: every FP8 weight with its weight_scale_inv is dequantized, as DeepSeek's fp8_cast_bf16.py does
+    (the MTP layer's eh_proj, FP8 in a re-quantized variant, was refused: 'allowed for it: BF16, F16, F32')."""
+    rewrite_shard(src_copy, name, _requantize(name))
+    assert load_dir(src_copy)[name].dtype == torch.float8_e4m3fn
+    out = tmp_path / "keep"
+    cast_checkpoint(src_copy, out, drop_mtp=False, **QUIET)
+    assert cast_mismatches(src_copy, out, drop_mtp=False) == []
+    got, ins = load_dir(out)[name], load_dir(src_copy)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, dequant_reference(ins[name], ins[name + "_scale_inv"]))
+    cast_checkpoint(src_copy, tmp_path / "drop", **QUIET)  # the default drops the MTP layer: never refused
+    assert cast_mismatches(src_copy, tmp_path / "drop") == []
+
+
+def test_fp8_weight_without_scale_is_refused_whatever_its_name(src_copy, tmp_path):
+    """Twin: the same FP8 eh_proj without its scale is refused by name (nothing to dequantize it with)."""
+    name = "model.layers.2.eh_proj.weight"
+
+    def edit(t):
+        _requantize(name)(t)
+        del t[name + "_scale_inv"]
+    rewrite_shard(src_copy, name, edit)
+    expect_error(src_copy, tmp_path / "o", f"FP8 tensor '{name}' has no scale: '{name}_scale_inv' is missing")
+
+
 def test_scale_with_wrong_shape(src_copy, tmp_path):
     name = "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"
     rewrite_shard(src_copy, name, lambda t: t.update({name + "_scale_inv": torch.ones(4, 2)}))

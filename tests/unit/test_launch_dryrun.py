@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from dsv3_rl.launch import run as launch_run
+from dsv3_rl.launch.algorithms import trainer_world
 from dsv3_rl.launch.presets import REPO, list_presets, load_preset
 from dsv3_rl.checkpoint.outputs import CONVERT_TOOL, MANIFEST, write_manifest
 from dsv3_rl.launch.verl_config import VerlConfigError
@@ -60,7 +61,7 @@ def test_every_preset_dry_runs_clean(preset, tmp_path, dsv3_config_only):
     assert errs == [], "\n".join(map(str, errs))
     assert launch.argv[1:4] == ["-m", launch.preset.entry, f"--config-name={launch.preset.config_name}"]
     s = launch.sizes
-    assert s.world == launch.preset.world
+    assert s.world == trainer_world(launch.preset)  # off-policy modes: the hardware minus the rollout's share
     if not launch.preset.is_cpu:  # the planner ran and the layout fits
         assert any(f.check == "planner" and f.level == "info" and f.message.startswith("fits") for f in launch.findings), \
             [str(f) for f in launch.findings if f.check == "planner"]

@@ -209,8 +209,12 @@ class _FakeLaunch:
         from types import SimpleNamespace
 
         self.sizes = SimpleNamespace(nnodes=nnodes, gpus_per_node=gpn)
-        self.preset = SimpleNamespace(is_cpu=False, hardware_name=f"{nnodes * gpn}xH100")
-        self.paths = SimpleNamespace(logs=tmp)
+        from omegaconf import OmegaConf
+
+        self.preset = SimpleNamespace(is_cpu=False, hardware_name=f"{nnodes * gpn}xH100",
+                                      run={"verify_checkpoints": "structure"})
+        self.paths = SimpleNamespace(logs=tmp, ckpt=tmp / "ckpt")
+        self.cfg = OmegaConf.create({"trainer": {"resume_mode": "auto", "max_actor_ckpt_to_keep": 2}})
         self.stages = []
         self.argv = [sys.executable, "-m", "verl.trainer.main_ppo", "--config-name=ppo_megatron_trainer"]
 

@@ -83,6 +83,21 @@ def test_bench_bad_input_is_one_error_line(tmp_path):
     assert r.stderr.strip().splitlines()[-1].startswith("error: --model/--set: override 'no_such_key'"), r.stderr
 
 
+@pytest.mark.parametrize("args, last", [
+    (("--iters", "0"), "argument --iters: '0' is not an integer >= 1"),
+    (("--bucket-mb", "0"), "argument --bucket-mb: '0' is not an integer >= 1"),  # was silently 64 MiB
+    (("--kernel-shape", "0,4"), "argument --kernel-shape: '0,4' is not M,N (two integers >= 1)"),
+    (("--set", "hidden_size=-4"), "error: --model/--set: model preset 'tiny' with overrides {'hidden_size': -4}: "
+                                  "hidden_size = -4; expected an integer >= 1"),
+])
+def test_bench_refuses_bad_flags_by_name(tmp_path, args, last):
+    """Issue 29: --iters 0 and --set hidden_size=-4 were 'unexpected ... (a bug)' (exit 1), --bucket-mb 0 became 64."""
+    r = _run_bench(tmp_path, *args)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stderr.strip().splitlines()[-1].endswith(last), r.stderr
+    assert "Traceback" not in r.stderr and "unexpected" not in r.stderr
+
+
 # ------------------------------------------------------------------------------------- bucketing
 
 
@@ -238,6 +253,149 @@ def test_digest_is_position_sensitive_and_value_deterministic():
     swapped = torch.cat([big[1 << 21:], big[: 1 << 21]])
     assert digest(big) != digest(swapped)
     assert digest(torch.ones(3, dtype=torch.uint8)) != digest(torch.ones(4, dtype=torch.uint8)[:3].clone() * 2)
+
+
+def _reference_digest(t: torch.Tensor) -> str:
+    """The documented formula, written out with numpy's wrapping uint64 arithmetic and explicit per-word weights
+    (word i = c * CHUNK + p weighs perm[p] + c * CHUNK): the independent reference of ``digest``."""
+    import numpy as np
+
+    from dsv3_rl.refit import manifest as M
+
+    words = t.contiguous().reshape(-1).view(torch.uint8)
+    words = torch.cat([words, words.new_zeros((-words.numel()) % 4)]).view(torch.int32)
+    perm = M._chunk_weights(torch.device("cpu")).numpy().astype(np.uint64)
+    i = np.arange(words.numel(), dtype=np.uint64)
+    w = perm[(i % M.CHUNK_WORDS).astype(np.int64)] + (i // M.CHUNK_WORDS) * np.uint64(M.CHUNK_WORDS)
+    x = words.numpy().astype(np.int64).view(np.uint64)
+    with np.errstate(over="ignore"):
+        return f"{int(x.sum(dtype=np.uint64)):016x}{int((x * w).sum(dtype=np.uint64)):016x}"
+
+
+def test_digest_matches_the_documented_formula():
+    from dsv3_rl.refit.manifest import CHUNK_WORDS
+
+    for n in (1, 5, CHUNK_WORDS + 12345):
+        x = torch.randint(-(1 << 31), (1 << 31) - 1, (n,), dtype=torch.int32, generator=torch.Generator().manual_seed(n))
+        assert digest(x) == _reference_digest(x), n
+    assert digest(torch.ones(3, dtype=torch.uint8)) == _reference_digest(torch.ones(3, dtype=torch.uint8))
+
+
+def _old_chunk_weights(device) -> torch.Tensor:
+    """The weights before issue 29: drawn WITH replacement, so ~250 positions per chunk share a weight."""
+    from dsv3_rl.refit.manifest import CHUNK_WORDS
+
+    g = torch.Generator().manual_seed(0x5EED)
+    return torch.randint(1, 1 << 31, (CHUNK_WORDS,), generator=g, dtype=torch.int64).to(device)
+
+
+def _missed_swaps(x: torch.Tensor, pairs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The pairs of (unequal) words whose swap leaves ``digest`` unchanged."""
+    d0, missed = digest(x), []
+    for i, j in pairs:
+        assert x[i] != x[j]
+        x[i], x[j] = x[j].clone(), x[i].clone()
+        if digest(x) == d0:
+            missed.append((i, j))
+        x[i], x[j] = x[j].clone(), x[i].clone()
+    assert digest(x) == d0
+    return missed
+
+
+def _swap_pairs(x: torch.Tensor) -> list[tuple[int, int]]:
+    """Random pairs, pairs at positions whose old weights are equal, same offset in two chunks, sign-bit words."""
+    from dsv3_rl.refit.manifest import CHUNK_WORDS
+
+    g = torch.Generator().manual_seed(7)
+    n = x.numel()
+    pairs = [tuple(int(v) for v in torch.randint(0, n, (2,), generator=g)) for _ in range(60)]
+    old = _old_chunk_weights("cpu")
+    order = torch.argsort(old, stable=True)
+    same = (old[order[1:]] == old[order[:-1]]).nonzero().flatten()[:40]
+    pairs += [(int(order[k]), int(order[k + 1])) for k in same]
+    pairs += [(p, CHUNK_WORDS + p) for p in (0, 17, 4095)]  # the same offset in chunk 0 and chunk 1
+    x[5], x[CHUNK_WORDS + 5] = 0, -(1 << 31)  # words differing by 2**31 (the largest power of two a difference has)
+    pairs.append((5, CHUNK_WORDS + 5))
+    return [(i, j) for i, j in pairs if x[i] != x[j]]
+
+
+def test_digest_sees_every_swap_of_two_unequal_words():
+    """Issue 29: any two unequal words swapped change the digest (random pairs, and the pairs the old weights,
+    drawn with replacement, weighed equally)."""
+    from dsv3_rl.refit.manifest import CHUNK_WORDS
+
+    x = torch.randint(-(1 << 31), (1 << 31) - 1, (CHUNK_WORDS + 50_000,), dtype=torch.int32,
+                      generator=torch.Generator().manual_seed(3))
+    pairs = _swap_pairs(x)
+    assert len(pairs) > 90
+    assert _missed_swaps(x, pairs) == []
+
+
+def test_digest_swap_test_bites_with_the_old_weights(monkeypatch):
+    """Planted fault: the old per-position weights (drawn with replacement) miss the swaps at equal weights."""
+    from dsv3_rl.refit import manifest as M
+
+    monkeypatch.setattr(M, "_weights", {torch.device("cpu"): _old_chunk_weights("cpu")})
+    x = torch.randint(-(1 << 31), (1 << 31) - 1, (M.CHUNK_WORDS + 50_000,), dtype=torch.int32,
+                      generator=torch.Generator().manual_seed(3))
+    missed = _missed_swaps(x, _swap_pairs(x))
+    assert len(missed) >= 30, missed
+
+
+def test_manifest_names_a_tensor_recorded_twice_by_its_side():
+    t = torch.ones(4)
+    sent = Manifest()
+    sent.add("w", t)
+    with pytest.raises(ManifestMismatch, match="tensor 'w' exported twice in one refit"):
+        sent.add("w", t)
+    with pytest.raises(ManifestMismatch, match="tensor 'w' received twice in one refit"):
+        sent.verify([("w", t), ("w", t)])
+    got = Manifest(role="received")
+    got.add("w", t)
+    with pytest.raises(ManifestMismatch, match="received twice"):
+        got.add("w", t)
+
+
+@pytest.mark.parametrize("text, match", [
+    ("{not json", "not valid JSON"),
+    ("[1, 2]", "a JSON list; expected an object"),
+    ('{"w": ["float32", [4], "abc"]}', "entry of tensor 'w' is .*32-hex-digit digest"),
+    ('{"w": ["float32", [-1], "' + "0" * 32 + '"]}', "entry of tensor 'w'"),
+    ('{"w": 3}', "entry of tensor 'w' is 3"),
+])
+def test_manifest_from_json_names_what_is_wrong(text, match):
+    from dsv3_rl.refit.manifest import ManifestFormatError
+
+    with pytest.raises(ManifestFormatError, match="^the refit manifest: " + match):
+        Manifest.from_json(text)
+    with pytest.raises(ManifestFormatError, match="^/x/m.json: "):
+        Manifest.from_json(text, source="/x/m.json")
+    m = Manifest()
+    m.add("w", torch.ones(4))
+    assert Manifest.from_json(m.to_json()).entries == m.entries
+
+
+@pytest.mark.parametrize("value, on", [(None, True), ("1", True), ("yes", True), ("ON", True), ("0", False),
+                                       ("no", False), ("off", False), ("n", False)])
+def test_manifest_switch_reads_yes_and_no_words(monkeypatch, value, on):
+    from dsv3_rl.refit import manifest as M
+
+    if value is None:
+        monkeypatch.delenv(M.ENV, raising=False)
+    else:
+        monkeypatch.setenv(M.ENV, value)
+    assert M.enabled() is on
+
+
+@pytest.mark.parametrize("value", ["disable", "none", "nope", "2"])
+def test_manifest_switch_refuses_an_unknown_word(monkeypatch, value):
+    """Issue 29: DSV3_REFIT_MANIFEST=disable (or none) left the manifest on without a word."""
+    from dsv3_rl.cliargs import UsageError
+    from dsv3_rl.refit import manifest as M
+
+    monkeypatch.setenv(M.ENV, value)
+    with pytest.raises(UsageError, match=f"DSV3_REFIT_MANIFEST='{value}' is not a yes/no value"):
+        M.enabled()
 
 
 # ------------------------------------------- the manifest inside verl's weight sync (verl patch 0031)

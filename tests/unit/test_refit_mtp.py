@@ -289,6 +289,7 @@ def mtp_dist_ckpt(tmp_path_factory):
     return hf, d / "dist"
 
 
+@pytest.mark.slow  # ~35 s on 2 cores (torchrun)
 def test_verl_engine_builds_loads_and_exports_mtp(mtp_dist_ckpt):
     """verl's own path end to end (torchrun, gloo; tests/unit/verl_cpu_export_worker.py): verl's config converter
     keeps the MTP layer, verl's DeepSeek-V3 initializer builds it, verl's dist-checkpoint loader loads our

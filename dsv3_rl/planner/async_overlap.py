@@ -1,0 +1,261 @@
+"""What one-step-off-policy GRPO buys on a GPU layout: rollout and training on separate pools, overlapped.
+
+Sync (colocated, verl ``main_ppo``): every GPU generates, then every GPU trains, then the weights are refitted::
+
+    step_sync = R(N) + T(N) + F
+
+One-step-off (verl ``one_step_off_policy``, rollout on Nr GPUs, training on Nt = N - Nr): the rollout generates
+batch k+1 while the trainer trains on batch k; the weight sync (trainer -> rollout, F) sits between the two::
+
+    step_async = max(R(Nr), T(Nt)) + F
+
+The gain is ``step_sync / step_async`` at the same number of samples per step, i.e. the ratio of tokens/s/GPU.
+The split Nr is searched over whole rollout engines (and whole nodes) for the smallest ``step_async``.
+
+The phase models (assumptions, first order; docs/algorithms.md "What async buys"):
+
+* T(N): the planner's per-phase prediction of one training step (``log_prob + update + export``,
+  :func:`dsv3_rl.planner.phases.predict_phases`) for the preset's layout on N trainer GPUs (the layout's DP
+  shrinks with N; an infeasible pool is skipped).
+* R(N): decode-bound generation. Each engine (``tp x dp`` GPUs) runs its share of the batch's sequences at once
+  when its KV cache holds them (else in waves); a decode step reads the engine's weights once
+  (:func:`dsv3_rl.planner.refit.rollout_bytes_per_gpu`, experts over the engine with EP) plus the live KV cache
+  of the sequences on that GPU (MLA: ``(kv_lora_rank + qk_rope_dim) x 2`` bytes per token per layer, sequences
+  spread over the engine's DP ranks), at ``HBM_EFFICIENCY`` of HBM bandwidth; a wave lasts
+  ``max_response_len`` steps (the longest response sets the tail) plus prefill at ``PREFILL_MFU``.
+  Fewer rollout GPUs do not slow a decode step that is weight-read bound, so R(N) is sub-linear in 1/N: that is
+  where the overlap gains.
+* F: the planner's refit estimate (``verl`` algorithm, :func:`dsv3_rl.planner.refit.estimate_refit`) on the
+  trainer pool (the same in both modes: the sync trainer also exports every weight).
+* Not modelled (both would add to the async gain): the colocated run's offload/onload of the trainer's state
+  around generation (``param_offload``), and vLLM's sleep/wake.
+
+NeMo-RL publishes DeepSeek-V3 GRPO on 512 H100 at 7.24 tokens/s/GPU on-policy and 12.8 one-step-off
+(+77%, :data:`NEMO_RL`); the report prints the model's estimate next to it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from dsv3_rl.planner.spec import GPUS, Cluster, GRPOShape, Layout, Options
+
+#: NeMo-RL's published DeepSeek-V3 GRPO throughput on 512 H100 (tokens/s/GPU): on-policy vs one-step-off
+NEMO_RL = {"sync_tok_s_gpu": 7.24, "one_step_off_tok_s_gpu": 12.8, "gpus": 512,
+           "source": "NVIDIA NeMo-RL performance summary, DeepSeek-V3 GRPO 512xH100 (issue 27)"}
+#: achieved fraction of HBM bandwidth in a decode step
+HBM_EFFICIENCY = 0.6
+#: model-FLOPs efficiency of prefill
+PREFILL_MFU = 0.3
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+    rollout_gpus: int
+    trainer_gpus: int
+    rollout_s: float
+    train_s: float
+    refit_s: float
+    layout: str = ""
+    """the trainer layout T was predicted for (the preset's, or the planner's best for the pool with replan)"""
+
+    @property
+    def step_s(self) -> float:
+        return max(self.rollout_s, self.train_s) + self.refit_s
+
+
+@dataclasses.dataclass(frozen=True)
+class Overlap:
+    gpus: int
+    sync_rollout_s: float
+    sync_train_s: float
+    refit_s: float
+    best: Split
+    splits: list[Split]
+    sync_layout: str = ""
+
+    @property
+    def sync_step_s(self) -> float:
+        return self.sync_rollout_s + self.sync_train_s + self.refit_s
+
+    @property
+    def gain(self) -> float:
+        return self.sync_step_s / self.best.step_s
+
+    def report(self) -> str:
+        pub = NEMO_RL["one_step_off_tok_s_gpu"] / NEMO_RL["sync_tok_s_gpu"]
+        b = self.best
+        return "\n".join([
+            f"async overlap ({self.gpus} GPUs): sync step ({self.sync_layout}) = rollout {self.sync_rollout_s:.0f} s + train "
+            f"{self.sync_train_s:.0f} s + refit {self.refit_s:.0f} s = {self.sync_step_s:.0f} s",
+            f"  one-step-off best split: rollout {b.rollout_gpus} GPUs ({b.rollout_s:.0f} s) | trainer "
+            f"{b.trainer_gpus} GPUs ({b.train_s:.0f} s, {b.layout}) -> max + refit {b.refit_s:.0f} s = {b.step_s:.0f} s",
+            f"  expected gain {self.gain - 1:+.0%} tokens/s/GPU (model) vs NeMo-RL published {pub - 1:+.0%} "
+            f"({NEMO_RL['sync_tok_s_gpu']} -> {NEMO_RL['one_step_off_tok_s_gpu']} tok/s/GPU on "
+            f"{NEMO_RL['gpus']} H100); not modelled: offload/onload and vLLM sleep/wake of the colocated run",
+        ])
+
+
+def rollout_seconds(m, gpu: str, gpus: int, grpo: GRPOShape, tp: int, dp: int, ep: bool,
+                    gpu_memory_utilization: float) -> float:
+    """R(gpus): the decode-bound generation time of one batch (module docstring)."""
+    from dsv3_rl.planner.model import count_params
+    from dsv3_rl.planner.refit import rollout_bytes_per_gpu
+
+    g = GPUS[gpu]
+    engine = tp * dp
+    engines = gpus // engine
+    if engines < 1:
+        return math.inf
+    seqs = grpo.prompts_per_step * grpo.n_samples
+    per_rank = math.ceil(seqs / (engines * dp))                       # sequences per DP rank (attention)
+    weights = rollout_bytes_per_gpu(m, tp, dp, ep)
+    kv_tok = (m.kv_lora_rank + m.qk_rope_dim) * 2 * m.num_layers      # MLA latent cache, bf16, per token
+    max_ctx = grpo.max_prompt_len + grpo.max_response_len
+    kv_free = g.memory_gib * 2**30 * gpu_memory_utilization - weights
+    if kv_free <= 0:
+        return math.inf
+    fit = max(1, int(kv_free // (kv_tok * max_ctx / tp)))             # sequences a DP rank's KV holds
+    waves = math.ceil(per_rank / fit)
+    live = min(per_rank, fit)
+    mean_ctx = grpo.max_prompt_len + grpo.max_response_len * grpo.mean_length_fraction / 2
+    step = (weights + live * mean_ctx * kv_tok / tp) / (g.hbm_tbs * 1e12 * HBM_EFFICIENCY)
+    flops_per_token = 2.0 * count_params(m).activated
+    prefill = seqs * grpo.max_prompt_len * flops_per_token / (gpus * g.bf16_tflops * 1e12 * PREFILL_MFU)
+    return waves * grpo.max_response_len * step + prefill
+
+
+def train_seconds(m, cluster: Cluster, grpo: GRPOShape, layout: Layout, options: Options) -> tuple[float, float]:
+    """(T, F) on CLUSTER: the planner's log_prob + update, and its export (refit) time; inf when infeasible."""
+    from dsv3_rl.planner.phases import predict_phases
+
+    p = predict_phases(m, cluster, grpo, layout, options)
+    if not p.feasible:
+        return math.inf, math.inf
+    export = p.phases["export"].seconds if "export" in p.phases else 0.0
+    return p.step_seconds - export, export
+
+
+def _pool_train(m, c: Cluster, grpo: GRPOShape, layout: Layout, options: Options, replan: bool):
+    """(T, F, layout) on pool C: the preset's layout, or with REPLAN the faster of it and the planner's best layout
+    for the pool (:func:`dsv3_rl.planner.search.plan`, trainer alone); (inf, inf, "") when none fits."""
+    cands = [layout]
+    if replan:
+        from dsv3_rl.planner.search import plan
+
+        res = plan(m, c, grpo, dataclasses.replace(options, rollout=False))
+        if res.best is not None:
+            cands.append(res.best.layout)
+    best = (math.inf, math.inf, "")
+    for lay in cands:
+        try:
+            t, f = train_seconds(m, c, grpo, lay, options)
+        except Exception:  # noqa: BLE001  (a layout that does not divide the pool: not a candidate)
+            continue
+        if t + f < best[0] + best[1]:
+            best = (t, f, lay.short())
+    return best
+
+
+def overlap(model, cluster: Cluster, grpo: GRPOShape, layout: Layout, options: Options, *, rollout_tp: int,
+            rollout_dp: int, rollout_ep: bool, gpu_memory_utilization: float = 0.9, replan: bool = False,
+            sync_layout: Layout | None = None) -> Overlap:
+    """Sync vs the best one-step-off split of CLUSTER (module docstring). REPLAN: each trainer pool may also use
+    the planner's best layout for its size (the preset's layout often does not divide a smaller pool)."""
+    from dsv3_rl.planner.model import load_model
+
+    m = load_model(model)
+    n, gpn = cluster.world, cluster.gpus_per_node
+    ro = dict(tp=rollout_tp, dp=rollout_dp, ep=rollout_ep, gpu_memory_utilization=gpu_memory_utilization)
+    r_all = rollout_seconds(m, cluster.gpu, n, grpo, **ro)
+    t_all, f = train_seconds(m, cluster, grpo, sync_layout or layout, options)  # the sync run's own layout
+    unit = math.lcm(rollout_tp * rollout_dp, gpn)
+    splits = []
+    for nr in range(unit, n, unit):
+        nt = n - nr
+        if nt % gpn:
+            continue
+        t, ft, lay = _pool_train(m, dataclasses.replace(cluster, nodes=nt // gpn), grpo, layout, options, replan)
+        if math.isinf(t):
+            continue
+        splits.append(Split(nr, nt, rollout_seconds(m, cluster.gpu, nr, grpo, **ro), t, ft, lay))
+    if not splits:
+        raise ValueError(f"no rollout/trainer split of {n} GPUs fits layout {layout.short()} "
+                         f"(rollout engines of {rollout_tp * rollout_dp} GPUs)")
+    best = min(splits, key=lambda s: s.step_s)
+    return Overlap(n, r_all, t_all, f, best, splits, (sync_layout or layout).short())
+
+
+def _layout(p) -> Layout:
+    from dsv3_rl.planner.spec import from_dict
+
+    return from_dict(Layout, {k: (tuple(v) if isinstance(v, list) else v) for k, v in p.layout.items()})
+
+
+def sync_baseline(p):
+    """The sync preset an off-policy preset is compared with: the nearest runnable preset it extends (its own
+    layout on the whole machine), else the preset itself."""
+    from dsv3_rl.launch.presets import load_preset
+
+    for f in reversed(p.files[:-1]):
+        if not f.name.startswith("_"):
+            return load_preset(f)
+    return p
+
+
+def for_preset(name: str, replan: bool = False) -> Overlap:
+    """The overlap estimate for a run preset's hardware, batch and rollout: sync with the layout of
+    :func:`sync_baseline`, one-step-off with the preset's layout on the trainer pool (sync or one_step_off: the
+    hardware is the whole machine either way)."""
+    from dsv3_rl.launch.presets import load_preset
+
+    p = load_preset(name)
+    v = p.verl
+    d, a = v.get("data", {}), v.get("actor_rollout_ref", {}).get("actor", {})
+    ro = v.get("actor_rollout_ref", {}).get("rollout", {})
+    prompt, resp = int(d.get("max_prompt_length", 2048)), int(d.get("max_response_length", 8192))
+    grpo = GRPOShape(prompts_per_step=int(d["train_batch_size"]), n_samples=int(ro.get("n", 8)),
+                     max_prompt_len=prompt, max_response_len=resp,
+                     ppo_mini_batch_size=a.get("ppo_mini_batch_size"), dynamic_batch=bool(a.get("use_dynamic_bsz", True)),
+                     max_token_len_per_gpu=a.get("ppo_max_token_len_per_gpu") or prompt + resp)
+    mg = a.get("megatron", {})
+    opts = Options(param_offload=bool(mg.get("param_offload", False)), optimizer_offload=bool(mg.get("optimizer_offload", False)),
+                   ref_model=bool(a.get("use_kl_loss", False)))
+    layout = _layout(p)
+    cl = Cluster(gpu=p.hardware["gpu"], gpus_per_node=p.gpus_per_node, nodes=p.nodes)
+    r = p.rollout
+    return overlap(p.model, cl, grpo, layout, opts, rollout_tp=int(r.get("tp", 1)), rollout_dp=int(r.get("dp", 1)),
+                   rollout_ep=int(r.get("ep", 1)) > 1, gpu_memory_utilization=float(r.get("gpu_memory_utilization", 0.9)),
+                   replan=replan, sync_layout=_layout(sync_baseline(p)))
+
+
+def cmd_async(a) -> int:
+    o = for_preset(a.preset, replan=a.replan)
+    print(o.report())
+    if a.json:
+        from dsv3_rl.fs import write_json_atomic
+
+        write_json_atomic(a.json, {"preset": a.preset, "gpus": o.gpus, "sync_step_s": o.sync_step_s,
+                                   "best": {**dataclasses.asdict(o.best), "step_s": o.best.step_s}, "gain": o.gain,
+                                   "splits": [dataclasses.asdict(s) for s in o.splits], "published": NEMO_RL},
+                          indent=1, ensure_ascii=True)
+        print(f"json: {a.json}")
+    print(f"summary: one-step-off on {o.gpus} GPUs: rollout {o.best.rollout_gpus} | trainer {o.best.trainer_gpus}, "
+          f"expected {o.gain - 1:+.0%} tokens/s/GPU over sync (NeMo-RL published "
+          f"{NEMO_RL['one_step_off_tok_s_gpu'] / NEMO_RL['sync_tok_s_gpu'] - 1:+.0%})")
+    return 0
+
+
+def add_parser(sub) -> None:
+    """``dsv3-plan async [PRESET]``: the sync vs one-step-off estimate of a run preset."""
+    from pathlib import Path
+
+    p = sub.add_parser("async", help="what one-step-off-policy GRPO buys on a preset's GPUs (rollout and training on "
+                                     "separate pools, overlapped) next to NeMo-RL's published +77%%")
+    p.add_argument("preset", nargs="?", default="671b_512xH100_async",
+                   help="run preset (dsv3-launch list; default 671b_512xH100_async)")
+    p.add_argument("--json", type=Path, help="write the estimate and every split as JSON (atomic)")
+    p.add_argument("--replan", action="store_true", help="let each trainer pool use the planner's best layout for "
+                   "its size too (a planner search per split: ~15 s each)")
+    p.set_defaults(func=cmd_async)

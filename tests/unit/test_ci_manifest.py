@@ -1,0 +1,81 @@
+"""Nothing lost (issue 28): every check that CI ran before the suite was split into fast and slow tests is still
+collected. ``tests/assets/ci-checks.txt`` lists the node ids of ``tests/unit`` as they were collected on
+2026-11-26 before the split (1245 tests, 105 of them planted-fault twins by name: ``fault``, ``twin`` or
+``planted``; 4 renamed on purpose since, docs/ci.md); a test that disappears from collection (deleted, renamed, or its file no longer imports) fails here,
+named. New tests are welcome and need no entry. A deliberate rename or removal updates the manifest in the same
+change (``python tests/unit/test_ci_manifest.py --write`` rewrites it from the current collection; the diff shows
+what went). ``make test`` runs the ``not slow`` and the ``slow`` tests, so what is collected is what CI runs.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+MANIFEST = REPO / "tests" / "assets" / "ci-checks.txt"
+TWIN = re.compile(r"fault|twin|planted", re.IGNORECASE)
+HEADER = """\
+# The checks CI runs: every test node id of tests/unit (`make test` runs them all: `-m "not slow"` under xdist,
+# then `-m slow`). tests/unit/test_ci_manifest.py fails when one of these is no longer collected. New tests need
+# no entry; a deliberate rename/removal rewrites this file: python tests/unit/test_ci_manifest.py --write
+"""
+
+
+def collected(paths: tuple[str, ...] = ("tests/unit",)) -> tuple[list[str], str]:
+    """(node ids, pytest's output) of a collect-only run, in a fresh process (this session may run a subset)."""
+    r = subprocess.run([sys.executable, "-m", "pytest", *paths, "--collect-only", "-q", "-p", "no:cacheprovider"],
+                       cwd=REPO, capture_output=True, text=True, timeout=600)
+    ids = [ln.strip() for ln in r.stdout.splitlines() if "::" in ln and not ln.startswith(("ERROR", "FAILED"))]
+    return ids, r.stdout + r.stderr
+
+
+def read_manifest(path: Path = MANIFEST) -> list[str]:
+    return [ln.strip() for ln in path.read_text().splitlines() if ln.strip() and not ln.startswith("#")]
+
+
+def missing(manifest: list[str], now: list[str]) -> list[str]:
+    have = set(now)
+    return [i for i in manifest if i not in have]
+
+
+def test_every_manifest_check_is_still_collected():
+    listed = read_manifest()
+    now, out = collected()
+    gone = missing(listed, now)
+    twins = [i for i in gone if TWIN.search(i)]
+    assert not gone, (f"{len(gone)} of the {len(listed)} checks in {MANIFEST.relative_to(REPO)} are no longer collected "
+                      f"({len(twins)} planted-fault twins among them): {gone[:40]}\n--- pytest --collect-only:\n"
+                      f"{out[-3000:]}")
+    assert sum(bool(TWIN.search(i)) for i in now) >= sum(bool(TWIN.search(i)) for i in listed)
+
+
+def test_twin_a_dropped_check_is_named():
+    """The comparison sees a missing id (a renamed twin), and new ids alone are no loss."""
+    listed = ["tests/unit/test_a.py::test_ok", "tests/unit/test_a.py::test_planted_fault[x]"]
+    assert missing(listed, ["tests/unit/test_a.py::test_ok", "tests/unit/test_a.py::test_new"]) == [listed[1]]
+    assert missing(listed, [*listed, "tests/unit/test_b.py::test_new"]) == []
+
+
+def test_twin_a_file_that_stops_importing_loses_its_checks(tmp_path):
+    """A test file that no longer imports collects nothing: its ids are missing, not silently passed over."""
+    (tmp_path / "conftest.py").write_text("")
+    (tmp_path / "test_ok.py").write_text("def test_one():\n    pass\n")
+    (tmp_path / "test_broken.py").write_text("import no_such_module_here\n\ndef test_two():\n    pass\n")
+    ids, _ = collected((str(tmp_path / "test_ok.py"), str(tmp_path / "test_broken.py")))
+    names = [i.split("::")[-1] for i in ids]
+    assert names == ["test_one"], ids
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--write"]:
+        sys.exit("usage: python tests/unit/test_ci_manifest.py --write   (rewrites tests/assets/ci-checks.txt)")
+    ids, out = collected()
+    if not ids:
+        sys.exit(f"nothing collected:\n{out[-3000:]}")
+    from dsv3_rl.fs import write_text_atomic
+
+    write_text_atomic(MANIFEST, HEADER + "".join(f"{i}\n" for i in ids))
+    print(f"wrote {MANIFEST.relative_to(REPO)}: {len(ids)} checks, {sum(bool(TWIN.search(i)) for i in ids)} twins by name")

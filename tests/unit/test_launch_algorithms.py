@@ -1,0 +1,299 @@
+"""Trainer modes (sync / one_step_off / fully_async) and algorithms (grpo / dapo / gspo / cispo) in presets
+(dsv3_rl/launch/algorithms.py): mapped to verl 0.9.1's own entry points, configs and keys, refused in one line
+where verl cannot run them, dry-run validated against verl's real config for each mode, and the planted-fault
+twins of the checks they bring (config level and per step).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dsv3_rl.grpo.checks import check_metrics, DEFAULT_TOLERANCES
+from dsv3_rl.grpo.off_policy import (DAPO_EVICTED, PARAM_VERSION, STALE_PROCESSED, SYNC_TIMING, check_group_filter,
+                                     check_off_policy)
+from dsv3_rl.launch import algorithms
+from dsv3_rl.launch.presets import PRESET_DIR, PresetError, load_preset
+
+NEW_PRESETS = ("tiny_cpu_one_step_off", "tiny_cpu_dapo", "tiny_cpu_gspo", "671b_512xH100_async")
+
+
+def write_preset(tmp_path: Path, name: str, text: str) -> Path:
+    p = tmp_path / f"{name}.yaml"
+    p.write_text(text.replace("EXTENDS", str(PRESET_DIR)))
+    return p
+
+
+# ------------------------------------------------------------------------------------ mapping
+
+def test_each_mode_maps_to_verls_own_entry_point_and_config():
+    verl = Path(__import__("importlib").util.find_spec("verl").submodule_search_locations[0])
+    for name, m in algorithms.MODES.items():
+        mod = verl.parent / (m.entry.replace(".", "/") + ".py")
+        assert mod.is_file(), (name, mod)
+        cdir = verl / "trainer" / "config" if m.config_dir is None else verl / m.config_dir
+        assert (cdir / f"{m.config_name}.yaml").is_file(), (name, cdir)
+        assert 'config_path="config"' in mod.read_text() or m.config_dir is None
+
+
+def test_presets_get_their_mode_algorithm_and_defaults():
+    p = load_preset("tiny_cpu")
+    assert (p.trainer_mode, p.algorithm, p.rollout_correction, p.entry) == ("sync", "grpo", "none", "verl.trainer.main_ppo")
+    p = load_preset("tiny_cpu_one_step_off")
+    assert p.trainer_mode == "one_step_off" and p.entry == "verl.experimental.one_step_off_policy.main_ppo"
+    assert p.config_name == "one_step_off_ppo_megatron_trainer"
+    assert p.rollout_correction == "tis"  # off-policy: TIS unless the preset names another correction
+    assert p.router_replay == "R3"        # inherited from tiny_cpu: R3 keeps working
+    assert algorithms.trainer_world(p) == 2 and p.world == 3
+    assert load_preset("tiny_cpu_dapo").algorithm == "dapo" and load_preset("tiny_cpu_gspo").algorithm == "gspo"
+    a = load_preset("671b_512xH100_async")
+    assert (a.trainer_mode, a.rollout_correction, algorithms.trainer_world(a)) == ("one_step_off", "tis", 320)
+    assert algorithms.rollout_world(a) == 192
+
+
+def test_verl_trees():
+    hw = {"gpu": "H100", "nodes": 64, "gpus_per_node": 8}
+    c = algorithms.choose({"algorithm": "dapo"}, hw, "none")
+    t = algorithms.verl_tree(c, hw, 8192)
+    assert t["algorithm"]["filter_groups"]["enable"] is True
+    assert t["actor_rollout_ref"]["actor"]["clip_ratio_high"] > t["actor_rollout_ref"]["actor"]["clip_ratio_low"]
+    assert t["reward"]["reward_manager"]["name"] == "dapo"
+    assert t["reward"]["reward_kwargs"]["overlong_buffer_cfg"]["len"] == 1638
+    assert "rollout" not in t and t["trainer"] == {"nnodes": 64, "n_gpus_per_node": 8}
+    for algo in ("gspo", "cispo"):
+        t = algorithms.verl_tree(algorithms.choose({"algorithm": algo}, hw, "none"), hw, 8192)
+        assert t["actor_rollout_ref"]["actor"]["policy_loss"]["loss_mode"] == algo
+    c = algorithms.choose({"trainer_mode": "fully_async", "off_policy": {"rollout_nodes": 16, "staleness_threshold": 0.5}},
+                          hw, "tis")
+    t = algorithms.verl_tree(c, hw, None)
+    assert t["trainer"] == {"nnodes": 48, "n_gpus_per_node": 8} and t["rollout"] == {"nnodes": 16, "n_gpus_per_node": 8}
+    assert t["async_training"] == {"staleness_threshold": 0.5} and t["actor_rollout_ref"]["hybrid_engine"] is False
+
+
+# ------------------------------------------------------------------------------------ refusals (exit 2, one line)
+
+REFUSED = [
+    ("trainer_mode: async_ish\n", r"trainer_mode='async_ish'.*allowed: sync, one_step_off, fully_async"),
+    ("algorithm: ppo\n", r"algorithm='ppo'.*allowed: grpo, dapo, gspo, cispo"),
+    ("algorithm: dapo\ntrainer_mode: one_step_off\nhardware: {gpu: cpu, nodes: 1, gpus_per_node: 3}\n",
+     r"algorithm=dapo with trainer_mode=one_step_off.*allowed with dapo: sync"),
+    ("trainer_mode: fully_async\nhardware: {gpu: cpu, nodes: 1, gpus_per_node: 3}\n",
+     r"trainer_mode=fully_async on a CPU preset.*allowed on cpu: sync, one_step_off"),
+    ("trainer_mode: one_step_off\nrollout_correction: none\nhardware: {gpu: cpu, nodes: 1, gpus_per_node: 3}\n",
+     r"rollout_correction=none with trainer_mode=one_step_off"),
+    ("off_policy: {rollout_nodes: 1}\n", r"off_policy is set but trainer_mode=sync"),
+    ("trainer_mode: one_step_off\noff_policy: {rollout_gpus_per_node: 2}\n", r"leaves no trainer GPU"),
+    ("trainer_mode: one_step_off\noff_policy: {staleness_threshold: 0.5}\nhardware: {gpu: cpu, nodes: 1, gpus_per_node: 3}\n",
+     r"off_policy.staleness_threshold is a fully_async setting"),
+    ("off_policy: {rollout_nodes: 0}\n", r"off_policy.rollout_nodes=0"),
+    ("off_policy: {stalenes_threshold: 0.1}\n", r"unknown key off_policy.stalenes_threshold; did you mean 'staleness_threshold'"),
+]
+
+
+@pytest.mark.parametrize("extra,pattern", REFUSED, ids=[p.split("(")[0][:30] for _, p in REFUSED])
+def test_unsupported_combinations_are_refused_in_one_line(extra, pattern, tmp_path):
+    import re
+
+    path = write_preset(tmp_path, "bad", "extends: EXTENDS/tiny_cpu.yaml\n" + extra)
+    with pytest.raises(PresetError) as e:
+        load_preset(path)
+    msg = str(e.value)
+    assert "\n" not in msg and re.search(pattern, msg), msg
+
+
+def test_cli_refusal_is_exit_2_without_traceback(tmp_path):
+    path = write_preset(tmp_path, "bad", "extends: EXTENDS/tiny_cpu.yaml\nalgorithm: dapoo\n")
+    r = subprocess.run([sys.executable, "-m", "dsv3_rl.launch", "run", "--preset", str(path), "--dry-run"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr and "algorithm='dapoo'; did you mean 'dapo'" in r.stderr + r.stdout
+
+
+# ------------------------------------------------------------------------------------ per-step checks + twins
+
+def _steps(n, **per_step):
+    return [{"step": k, **{m: f(k) for m, f in per_step.items()}} for k in range(1, n + 1)]
+
+
+def test_one_step_off_staleness_check_and_twin_rollout_never_gets_new_weights():
+    good = _steps(6, **{SYNC_TIMING: lambda k: 0.5})
+    assert check_off_policy(good, "one_step_off").ok
+    bad = [dict(s) for s in good]
+    del bad[3][SYNC_TIMING]  # planted: step 4's weights never reached the rollout -> batch 5 is 2 versions old
+    c = check_off_policy(bad, "one_step_off")
+    assert not c.ok and "[4]" in c.detail
+    assert check_off_policy(good, "sync") is None
+
+
+def test_fully_async_staleness_bound_and_twins():
+    off = {"staleness_threshold": 0.25, "trigger_parameter_sync_step": 2}
+    # 8 samples per step; weights synced every 2 steps; 1 stale sample per step (12.5% <= 25%)
+    good = _steps(6, **{PARAM_VERSION: lambda k: (k - 1) // 2, STALE_PROCESSED: lambda k: k})
+    assert check_off_policy(good, "fully_async", off, samples_per_step=8).ok
+    # planted: samples older than the bound consumed (4 of 8 stale every step = 50% > 25%)
+    over = _steps(6, **{PARAM_VERSION: lambda k: (k - 1) // 2, STALE_PROCESSED: lambda k: 4 * k})
+    c = check_off_policy(over, "fully_async", off, samples_per_step=8)
+    assert not c.ok and "stale" in c.detail
+    # planted: the weights never advance (rollouter never receives new weights)
+    frozen = _steps(6, **{PARAM_VERSION: lambda k: 0, STALE_PROCESSED: lambda k: 0})
+    c = check_off_policy(frozen, "fully_async", off, samples_per_step=8)
+    assert not c.ok and "unchanged" in c.detail
+
+
+def test_check_metrics_runs_the_off_policy_check():
+    base = {"critic/score/mean": 0.5, "actor/pg_loss": 0.1, "actor/ppo_kl": 0.0,
+            "training/rollout_probs_diff_mean": 0.01, "training/rollout_probs_diff_max": 0.1,
+            "training/rollout_actor_probs_pearson_corr": 0.99}
+    steps = [{"step": k, **base, SYNC_TIMING: 0.3} for k in (1, 2, 3)]
+    tol = {**DEFAULT_TOLERANCES, "trainer_mode": "one_step_off"}
+    names = {c.name: c.ok for c in check_metrics(steps, 3, tol)}
+    assert names.get("off-policy staleness <= 1") is True
+    del steps[1][SYNC_TIMING]
+    assert {c.name: c.ok for c in check_metrics(steps, 3, tol)}["off-policy staleness <= 1"] is False
+
+
+def test_dapo_group_filter_check_and_twin_filter_keeps_zero_variance_groups():
+    base = {"critic/score/mean": 0.5, "actor/pg_loss": 0.1, "actor/ppo_kl": 0.0,
+            "training/rollout_probs_diff_mean": 0.01, "training/rollout_probs_diff_max": 0.1,
+            "training/rollout_actor_probs_pearson_corr": 0.99}
+    steps = [{"step": k, **base} for k in (1, 2, 3)]
+    steps[0][DAPO_EVICTED] = 5  # verl logs the metric only in steps where the filter evicted groups
+    tol = {**DEFAULT_TOLERANCES, "algorithm": "dapo"}
+    assert {c.name: c.ok for c in check_metrics(steps, 3, tol)}["DAPO group filter"] is True
+    del steps[0][DAPO_EVICTED]  # planted: the filter never evicted a group: zero-variance groups were trained on
+    c = check_group_filter(steps)
+    assert not c.ok and "zero-variance" in c.detail
+    assert "DAPO group filter" not in {c.name for c in check_metrics(steps, 3, DEFAULT_TOLERANCES)}  # grpo: no check
+
+
+# ------------------------------------------------------------------------------------ planner
+
+def test_planner_async_overlap_for_the_512_preset_matches_the_preset_split():
+    from dsv3_rl.planner.async_overlap import for_preset
+
+    o = for_preset("671b_512xH100_async")
+    p = load_preset("671b_512xH100_async")
+    assert o.best.rollout_gpus == p.off_policy["rollout_nodes"] * p.off_policy["rollout_gpus_per_node"]
+    assert o.best.step_s == pytest.approx(max(o.best.rollout_s, o.best.train_s) + o.best.refit_s)
+    assert o.sync_step_s == pytest.approx(o.sync_rollout_s + o.sync_train_s + o.refit_s)
+    assert o.gain > 1.0
+    # decode is weight-read bound: 192 of 512 GPUs generate the batch in far less than 512/192 x the time
+    best = o.best
+    assert o.sync_rollout_s < best.rollout_s < o.sync_rollout_s * o.gpus / best.rollout_gpus / 2
+    assert "NeMo-RL published +77%" in o.report()
+    # the sync baseline is the preset the async one extends (its own layout on all 512 GPUs)
+    assert o.sync_layout.startswith("TP2 PP32 EP8") and best.layout.startswith("TP4 PP40 EP8")
+
+
+def test_planner_overlap_formula_twin():
+    """With linear-scaling phases and no refit the overlap cannot gain: max(R*N/Nr, T*N/Nt) >= R + T."""
+    from dsv3_rl.planner.async_overlap import Split
+
+    R, T, N = 100.0, 60.0, 512
+    for nr in range(64, N, 64):
+        s = Split(nr, N - nr, R * N / nr, T * N / (N - nr), 0.0)
+        assert s.step_s >= R + T - 1e-9
+
+
+def test_planner_cli_async(capsys):
+    from dsv3_rl.planner.cli import main
+
+    assert main(["async", "671b_512xH100_async"]) == 0
+    out = capsys.readouterr().out
+    assert "summary: one-step-off on 512 GPUs: rollout 192 | trainer 320" in out and "+77%" in out
+
+
+# ------------------------------------------------------------------------------------ dry runs against verl
+
+@pytest.fixture(scope="module")
+def dsv3_config_only(tmp_path_factory) -> Path:
+    from dsv3_rl.models.mini_model import write_mini_model
+
+    out = tmp_path_factory.mktemp("ckpt") / "DeepSeek-V3-0324-BF16"
+    write_mini_model("deepseek-v3", out)
+    return out
+
+
+def _resolve(preset, tmp_path, dsv3_cfg, overrides=(), inputs_of=None):
+    """Dry-run PRESET (a name or a file) with the inputs of preset INPUTS_OF (default: PRESET itself)."""
+    from test_launch_dryrun import environ_for
+
+    from dsv3_rl.launch import run as launch_run
+
+    env = environ_for(inputs_of or preset, tmp_path, dsv3_cfg)
+    return launch_run.resolve(str(preset), list(overrides), env)
+
+
+def _errors(launch):
+    return [f.message for f in launch.findings if f.level == "error"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", NEW_PRESETS)
+def test_new_presets_dry_run_clean_against_their_modes_config(preset, tmp_path, dsv3_config_only):
+    launch = _resolve(preset, tmp_path, dsv3_config_only)
+    assert _errors(launch) == []
+    p, cfg = launch.preset, launch.cfg
+    assert launch.argv[1:4] == ["-m", p.entry, f"--config-name={p.config_name}"]
+    if p.trainer_mode == "one_step_off":  # keys that only verl's one_step_off yaml has
+        assert launch.argv[4].startswith("hydra.searchpath=[file://") and launch.argv[4].endswith("trainer/config]")
+        assert cfg.rollout.nnodes * cfg.rollout.n_gpus_per_node + cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node == p.world
+        assert cfg.actor_rollout_ref.hybrid_engine is False and cfg.actor_rollout_ref.rollout.calculate_log_probs
+        assert cfg.algorithm.rollout_correction.rollout_is == "token" and not cfg.algorithm.rollout_correction.bypass_mode
+        assert cfg.actor_rollout_ref.actor.megatron.router_replay.mode == "R3"
+    if p.algorithm == "dapo":
+        assert cfg.algorithm.filter_groups.enable and cfg.reward.reward_manager.name == "dapo"
+        assert cfg.reward.reward_kwargs.max_resp_len == cfg.data.max_response_length
+    if p.algorithm == "gspo":
+        assert cfg.actor_rollout_ref.actor.policy_loss.loss_mode == "gspo"
+
+
+CONFIG_FAULTS = [  # (preset, command-line override planting the fault, error pattern)
+    ("tiny_cpu_dapo", "algorithm.filter_groups.enable=false", "zero-variance groups"),
+    ("tiny_cpu_dapo", "actor_rollout_ref.actor.clip_ratio_high=0.2", "clip-higher"),
+    ("tiny_cpu_dapo", "reward.reward_manager.name=naive", "reward_manager.name=dapo"),
+    ("tiny_cpu_gspo", "actor_rollout_ref.actor.clip_ratio_high=0.28", "unclipped"),
+    ("tiny_cpu_gspo", "actor_rollout_ref.actor.policy_loss.loss_mode=vanilla", "loss_mode='vanilla'"),
+    ("tiny_cpu_one_step_off", "actor_rollout_ref.hybrid_engine=true", "hybrid_engine=false"),
+    ("tiny_cpu_one_step_off", "algorithm.rollout_correction.rollout_is=null", "without rollout correction"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset,override,pattern", CONFIG_FAULTS, ids=[o for _, o, _ in CONFIG_FAULTS])
+def test_planted_config_faults_are_errors(preset, override, pattern, tmp_path, dsv3_config_only):
+    launch = _resolve(preset, tmp_path, dsv3_config_only, [override])
+    errs = _errors(launch)
+    assert any(pattern in e for e in errs), errs
+
+
+@pytest.mark.slow
+def test_fully_async_composes_with_verls_fully_async_config(tmp_path, dsv3_config_only):
+    path = write_preset(tmp_path, "async_gpu", "extends: EXTENDS/671b_512xH100.yaml\ntrainer_mode: fully_async\n"
+                        "off_policy: {rollout_nodes: 32, staleness_threshold: 0.3, trigger_parameter_sync_step: 2}\n"
+                        "verl: {actor_rollout_ref: {hybrid_engine: false}}\n")
+    launch = _resolve(path, tmp_path, dsv3_config_only, inputs_of="671b_512xH100")
+    assert _errors(launch) == []
+    cfg = launch.cfg
+    assert launch.argv[2] == "verl.experimental.fully_async_policy.fully_async_main"
+    assert cfg.async_training.staleness_threshold == 0.3 and cfg.async_training.trigger_parameter_sync_step == 2
+    n, mb = cfg.actor_rollout_ref.rollout.n, cfg.actor_rollout_ref.actor.ppo_mini_batch_size
+    assert algorithms.samples_per_step(cfg, "fully_async") == mb * cfg.async_training.require_batches * n == 128 * 16
+    assert algorithms.samples_per_step(cfg, "one_step_off") is None
+    launch = _resolve(path, tmp_path, dsv3_config_only, ["async_training.staleness_threshold=-1"], "671b_512xH100")
+    assert any("staleness bound" in e for e in _errors(launch)), _errors(launch)
+
+
+@pytest.mark.slow
+def test_cispo_composes_and_reaches_verls_loss(tmp_path, dsv3_config_only):
+    path = write_preset(tmp_path, "cispo_cpu", "extends: EXTENDS/tiny_cpu.yaml\nalgorithm: cispo\n")
+    launch = _resolve(path, tmp_path, dsv3_config_only, inputs_of="tiny_cpu")
+    assert _errors(launch) == []
+    actor = launch.cfg.actor_rollout_ref.actor
+    assert (actor.policy_loss.loss_mode, actor.clip_ratio_low, actor.clip_ratio_high) == ("cispo", 1.0, 0.28)
+    from verl.trainer.ppo.core_algos import get_policy_loss_fn
+
+    assert get_policy_loss_fn("cispo").__name__ == "compute_policy_loss_cispo"  # the name verl registers

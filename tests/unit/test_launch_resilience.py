@@ -1,0 +1,455 @@
+"""A run that survives (issue 29), at unit level: checkpoint manifests and their verification before a resume, the
+fallback to the previous complete checkpoint, max_actor_ckpt_to_keep, lost-process recognition, the restart loop,
+the finish line, the run-directory lock and the run's identity. The stand-in main_ppo below writes verl's real
+checkpoint files (torch dist checkpoints, the tracker last) and verl's metrics lines. Each check has a twin."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+import types
+from pathlib import Path
+
+import pytest
+
+from dsv3_rl.launch import ckpt, monitor, train, workdir
+
+# torch's DCP saving without a process group (the stand-in's checkpoints) says so; verl's saves have one
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+# ------------------------------------------------------------------------------------ checkpoints
+
+
+def _save_step(root: Path, step: int, scale: float = 1.0) -> Path:
+    """verl's layout-v2 actor checkpoint of one step: model/optimizer/extra dist checkpoints, then data.pt."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    d = root / f"global_step_{step}"
+    g = torch.Generator().manual_seed(step)
+    for part, sd in (("model", {"decoder.layers.0.mlp.weight": torch.randn(64, 32, generator=g) * scale,
+                                "embedding.word_embeddings.weight": torch.randn(100, 32, generator=g)}),
+                     ("optimizer", {"optimizer.state.exp_avg": torch.randn(64, 32, generator=g)}),
+                     ("extra", {"rng_state": torch.arange(8)})):
+        out = d / "actor" / part / "dist_ckpt"
+        out.mkdir(parents=True)
+        dcp.save(sd, checkpoint_id=str(out), no_dist=True)
+        (out / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+    (d / "data.pt").write_bytes(b"dataloader-state")
+    ckpt.set_tracker(root, step)
+    return d
+
+
+@pytest.fixture
+def two_steps(tmp_path):
+    root = tmp_path / "ckpt"
+    for n in (4, 8):
+        ckpt.write_manifest(_save_step(root, n))
+    return root
+
+
+def _truncate(f: Path) -> None:
+    b = f.read_bytes()
+    f.write_bytes(b[: len(b) // 2])
+
+
+def test_manifest_verifies_and_names_a_truncated_file_and_tensor(two_steps):
+    d8 = two_steps / "global_step_8"
+    man = json.loads((d8 / ckpt.MANIFEST).read_text())
+    assert "actor/model/dist_ckpt:decoder.layers.0.mlp.weight" in man["tensors"]
+    assert man["tensors"]["actor/model/dist_ckpt:decoder.layers.0.mlp.weight"]["shape"] == [64, 32]
+    assert ckpt.verify(d8) == []
+    shard = next((d8 / "actor/model/dist_ckpt").glob("*.distcp"))
+    _truncate(shard)  # twin: the same directory, damaged
+    problems = ckpt.verify(d8)
+    assert problems and shard.name in problems[0] and "truncated inside tensor actor/model/dist_ckpt:" in problems[0]
+
+
+def test_changed_bytes_are_named_by_tensor(two_steps):
+    d8 = two_steps / "global_step_8"
+    shard = next((d8 / "actor/optimizer/dist_ckpt").glob("*.distcp"))
+    b = bytearray(shard.read_bytes())
+    b[-40] ^= 0xFF  # same size, one byte flipped inside the last tensor's bytes
+    shard.write_bytes(bytes(b))
+    problems = ckpt.verify(d8)
+    assert any("optimizer.state.exp_avg" in p and "digest" in p for p in problems), problems
+    assert ckpt.verify(d8, digests=False) == []  # twin: structure mode cannot see a flipped byte (documented)
+
+
+def test_without_manifest_the_structure_is_verified(two_steps):
+    d8 = two_steps / "global_step_8"
+    (d8 / ckpt.MANIFEST).unlink()
+    assert ckpt.verify(d8) == []
+    shard = next((d8 / "actor/optimizer/dist_ckpt").glob("*.distcp"))
+    shard.unlink()  # a deleted optimizer shard (probe: raw FileNotFoundError before)
+    problems = ckpt.verify(d8)
+    assert problems and shard.name in problems[0] and "missing" in problems[0] and "exp_avg" in problems[0]
+
+
+def test_resume_falls_back_to_the_previous_complete_checkpoint(two_steps):
+    _truncate(next((two_steps / "global_step_8/actor/model/dist_ckpt").glob("*.distcp")))
+    said: list[str] = []
+    assert ckpt.prepare_resume(two_steps, keep=2, say=said.append) == 4
+    assert ckpt.tracker_step(two_steps) == 4
+    assert (two_steps / "global_step_8.damaged").is_dir() and not (two_steps / "global_step_8").exists()
+    assert "checkpoint step 8 is damaged" in said[0] and ".distcp" in said[0]
+    assert "step 4" in said[1]
+
+
+def test_twin_verification_off_resumes_the_damaged_checkpoint(two_steps):
+    _truncate(next((two_steps / "global_step_8/actor/model/dist_ckpt").glob("*.distcp")))
+    assert ckpt.prepare_resume(two_steps, keep=2, mode="off", say=lambda s: None) == 8
+    assert (two_steps / "global_step_8").is_dir()  # verl would load it: see test_verification_off_loads_and_crashes
+
+
+def test_incomplete_save_is_removed_and_keep_never_removes_the_only_good(tmp_path):
+    root = tmp_path / "ckpt"
+    for n in (4, 8, 12):
+        ckpt.write_manifest(_save_step(root, n))
+    partial = root / "global_step_16" / "actor" / "model" / "dist_ckpt"  # a disk-full save: no tracker update
+    partial.mkdir(parents=True)
+    (partial / "__0_0.distcp").write_bytes(b"x" * 100)
+    said: list[str] = []
+    assert ckpt.prepare_resume(root, keep=2, say=said.append) == 12
+    assert sorted(ckpt.step_dirs(root)) == [8, 12]  # 16 incomplete, 4 beyond max_actor_ckpt_to_keep=2
+    assert any("incomplete checkpoint" in s and "global_step_16" in s for s in said)
+    # the newest is damaged and keep=1: the fallback (8) is kept, the damaged one moved aside, not lost
+    _truncate(next((root / "global_step_12/actor/model/dist_ckpt").glob("*.distcp")))
+    assert ckpt.prepare_resume(root, keep=1, say=said.append) == 8
+    assert sorted(ckpt.step_dirs(root)) == [8] and (root / "global_step_12.damaged").is_dir()
+
+
+def test_find_saved_model_uses_verls_layout_not_a_substring(tmp_path):
+    from dsv3_rl.grpo.checks import CheckError, find_saved_model
+
+    root = tmp_path / "ckpt"
+    _save_step(root, 4)
+    assert find_saved_model(root, 4) == root / "global_step_4/actor/model/dist_ckpt"
+    # verl's own manifest of contents wins where it is present
+    (root / "global_step_4/actor/ckpt_contents.json").write_text(
+        json.dumps({"contents": {"model": {"path": "extra/dist_ckpt"}}}))
+    assert find_saved_model(root, 4).name == "dist_ckpt" and find_saved_model(root, 4).parent.name == "extra"
+    # twin: without a model checkpoint it fails naming what is there, it does not take extra/ or optimizer/
+    (root / "global_step_4/actor/ckpt_contents.json").unlink()
+    import shutil
+
+    shutil.rmtree(root / "global_step_4/actor/model")
+    with pytest.raises(CheckError, match="no model dist checkpoint at .*model/dist_ckpt"):
+        find_saved_model(root, 4)
+
+
+# ------------------------------------------------------------------------------ lost processes
+
+@pytest.mark.parametrize("line,who", [
+    ("(WorkerDict pid=4242) ray.exceptions.ActorDiedError: The actor died unexpectedly before finishing this task. "
+     "class_name: WorkerDict, pid=4242", "a Ray worker (WorkerDict, pid 4242)"),
+    ("The actor is dead because its worker process has died. Worker exit type: SYSTEM_ERROR", "a Ray worker"),
+    ("vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue. See stack trace",
+     "the vLLM engine (EngineCore)"),
+    ("Task was killed due to the node running low on memory.", "a process killed for lack of memory (OOM)"),
+    ("Failed to connect to GCS at address 127.0.0.1:6379 within 60 seconds", "the node's Ray (GCS/raylet)"),
+])
+def test_lost_process_lines(line, who):
+    assert monitor.lost_process(line) == who
+
+
+@pytest.mark.parametrize("line", [
+    "ray.exceptions.ActorDiedError: The actor died because of an error raised in its creation task, "
+    "ValueError: bad config",  # a deterministic failure that Ray reports as an actor death
+    "AssertionError: ppo_mini_batch_size must be divisible",
+    "step:3 - actor/pg_loss:0.1",
+])
+def test_twin_deterministic_failures_are_not_lost_processes(line):
+    assert monitor.lost_process(line) is None
+
+
+#: main_ppo.log of a real tiny_cpu run after `kill -9` of a Megatron worker (2026-11-26, shortened): the raylet's
+#: line comes first, the driver's traceback names its own actor (TaskRunnerV1), Ray names the dead one ~70 lines on
+REAL_KILLED_WORKER = [
+    "(WorkerDict pid=23214) INFO:2026-11-26 11:19:02,437:update_weights done, time cost: 0.26s",
+    "(raylet) A worker died or was killed while executing a task by an unexpected system error. Worker PID: 23214 "
+    "Worker exit type: SYSTEM_ERROR Worker exit detail: Worker unexpectedly exits with a connection error code 2. "
+    "End of file. Some common causes include: (1) the process was killed by the OOM killer due to high memory usage",
+    *["  (traceback line)"] * 60,
+    "ray.exceptions.RayTaskError(ActorDiedError): ray::TaskRunnerV1.run() (pid=22616, ip=192.0.2.2, "
+    "actor_id=2ed0ba08fa5fcf246103158901000000)",
+    "ray.exceptions.ActorDiedError: The actor died unexpectedly before finishing this task.",
+    "\tclass_name: create_colocated_worker_cls.<locals>.WorkerDict",
+    "\tpid: 23214",
+]
+
+
+def test_lost_process_from_a_real_ray_log():
+    lp = monitor.LostProcess()
+    hits = [ln for ln in REAL_KILLED_WORKER if lp.feed(ln)]
+    assert len(hits) == 1 and str(lp) == "a Ray worker (WorkerDict, pid 23214)"
+    # twin: one line at a time names what that line says, and Ray's "(1) ... OOM killer" boilerplate is not an OOM
+    assert monitor.lost_process(REAL_KILLED_WORKER[1]) == "a Ray worker (pid 23214)"
+    assert monitor.lost_process(REAL_KILLED_WORKER[0]) is None
+
+
+FAKE_PPO = textwrap.dedent("""
+    # stand-in for verl main_ppo: verl's metrics lines, verl's checkpoint files (tracker last), a lost process on demand
+    import json, os, sys, time
+    sys.path.insert(0, {tests!r})
+    from test_launch_resilience import _save_step
+    from dsv3_rl.launch import ckpt
+    metrics, root = os.environ["VERL_FILE_LOGGER_PATH"], {root!r}
+    total, save, fail_at, mode = 6, 2, int(os.environ.get("FAKE_FAIL_AT", 0)), os.environ.get("FAKE_MODE", "")
+    (open(os.environ["FAKE_STARTS"], "a")).write("start\\n")
+    start = (ckpt.tracker_step(root) or 0) + 1
+    print("FAKE resumed from", start - 1, flush=True)
+    for step in range(start, total + 1):
+        if step == fail_at and mode != "after_save" and (mode == "always" or start == 1):
+            if mode == "diskfull":  # verl's save of this step dies half-way: no tracker update
+                part = __import__("pathlib").Path(root) / f"global_step_{{step}}" / "actor" / "model" / "dist_ckpt"
+                part.mkdir(parents=True)
+                (part / "__0_0.distcp").write_bytes(b"x" * 1000)
+                print("torch.distributed.checkpoint.api.CheckpointException: CheckpointException ranks:dict_keys([0])"
+                      "\\nOSError: [Errno 28] No space left on device", flush=True)
+                sys.exit(1)
+            if mode == "engine":
+                print("(AsyncvLLMServer pid=777) vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered "
+                      "an issue", flush=True)
+                time.sleep(600)  # the trainer idles: only the launcher can end this
+            print("ray.exceptions.ActorDiedError: The actor died unexpectedly before finishing this task. "
+                  "class_name: WorkerDict, pid=4242", flush=True)
+            sys.exit(1)
+        time.sleep(0.3)
+        if step % save == 0:
+            _save_step(__import__("pathlib").Path(root), step)
+        if step == fail_at and mode == "after_save" and start == 1:  # lost between verl's save and its log line
+            print("ray.exceptions.ActorDiedError: The actor died unexpectedly before finishing this task. "
+                  "class_name: WorkerDict, pid=4243", flush=True)
+            sys.exit(1)
+        with open(metrics, "a") as f:
+            f.write(json.dumps({{"step": step, "data": {{"critic/score/mean": 0.1 * step, "timing_s/step": 0.3,
+                                                        "actor/pg_loss": 0.0}}}}) + "\\n")
+""")
+
+
+def _fake_launch(tmp_path: Path, max_restarts: int, verify: str = "digests"):
+    from omegaconf import OmegaConf
+
+    logs, root = tmp_path / "logs", tmp_path / "ckpt"
+    script = tmp_path / "fake_main_ppo.py"
+    script.write_text(FAKE_PPO.format(tests=str(Path(__file__).parent), root=str(root)))
+    preset = types.SimpleNamespace(name="fake", path=script, checks=None,
+                                   run={"max_restarts": max_restarts, "verify_checkpoints": verify})
+    cfg = OmegaConf.create({"trainer": {"total_training_steps": 6, "resume_mode": "auto", "max_actor_ckpt_to_keep": 2}})
+    paths = types.SimpleNamespace(logs=logs, ckpt=root, hf=tmp_path / "no-hf")
+    return types.SimpleNamespace(preset=preset, cfg=cfg, paths=paths, argv=[sys.executable, str(script)],
+                                 overrides=["trainer.save_freq=2"], user=[], env={})
+
+
+def _env(tmp_path: Path, **kw) -> dict[str, str]:
+    return {**os.environ, "VERL_FILE_LOGGER_PATH": str(tmp_path / "logs" / "metrics.jsonl"),
+            "FAKE_STARTS": str(tmp_path / "starts"), "PYTHONPATH": os.pathsep.join(sys.path), **kw}
+
+
+@pytest.mark.timeout(240)
+def test_killed_worker_restarts_from_the_last_checkpoint_then_finish_line(tmp_path, capsys):
+    launch = _fake_launch(tmp_path, max_restarts=1)
+    assert train.run_single_node(launch, _env(tmp_path, FAKE_FAIL_AT="5")) == 0
+    out = capsys.readouterr().out
+    assert "RESTART 1/1: a Ray worker (WorkerDict, pid 4242) lost during step 5" in out
+    rep = json.loads((tmp_path / "logs/report.json").read_text())
+    (r,) = rep["run"]["restarts"]
+    assert r["step"] == 5 and r["resumed_from"] == 4 and r["steps_repeated"] == 0 and r["time_lost_s"] > 0
+    last = out.strip().splitlines()[-1]
+    assert "GRPO fake PASSED: 6/6 steps" in last and "1 restart(s)" in last
+    # the finish line: the same command again prints the saved result and starts nothing
+    starts = (tmp_path / "starts").read_text().count("start")
+    assert train.run_single_node(launch, _env(tmp_path)) == 0
+    out = capsys.readouterr().out
+    assert "this run is complete" in out and "Ray and vLLM not started" in out and "GRPO fake PASSED" in out
+    assert (tmp_path / "starts").read_text().count("start") == starts
+
+
+@pytest.mark.timeout(240)
+def test_a_step_checkpointed_but_not_logged_is_redone_after_a_restart(tmp_path, capsys):
+    launch = _fake_launch(tmp_path, max_restarts=1)
+    assert train.run_single_node(launch, _env(tmp_path, FAKE_FAIL_AT="4", FAKE_MODE="after_save")) == 0
+    out = capsys.readouterr().out
+    assert "step 4 was checkpointed but its metrics were never logged" in out
+    assert "FAKE resumed from 2" in (tmp_path / "logs/main_ppo.log").read_text()
+    rep = json.loads((tmp_path / "logs/report.json").read_text())
+    assert [s["step"] for s in rep["steps"]] == [1, 2, 3, 4, 5, 6]  # every step in the record
+    assert rep["run"]["restarts"][0]["steps_repeated"] == 2  # = save_freq
+
+
+@pytest.mark.timeout(240)
+def test_twin_max_restarts_0_fails_in_one_line_naming_process_and_step(tmp_path, capsys):
+    launch = _fake_launch(tmp_path, max_restarts=0)
+    assert train.run_single_node(launch, _env(tmp_path, FAKE_FAIL_AT="3")) == 1
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "GRPO fake FAILED: 2/6 steps" in last
+    assert "a Ray worker (WorkerDict, pid 4242) lost during step 3; no restart left (run.max_restarts=0)" in last
+
+
+@pytest.mark.timeout(240)
+def test_the_same_loss_at_the_same_step_twice_is_deterministic(tmp_path, capsys):
+    launch = _fake_launch(tmp_path, max_restarts=3)
+    assert train.run_single_node(launch, _env(tmp_path, FAKE_FAIL_AT="3", FAKE_MODE="always")) == 1
+    out = capsys.readouterr().out
+    assert out.count("RESTART") == 1 and "the same loss at the same step as before: not restarting" in out
+
+
+@pytest.mark.timeout(240)
+def test_dead_engine_is_stopped_without_a_timeout_and_restarted(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(monitor, "LOST_GRACE_S", 2.0)
+    launch = _fake_launch(tmp_path, max_restarts=1)
+    t0 = time.monotonic()
+    assert train.run_single_node(launch, _env(tmp_path, FAKE_FAIL_AT="3", FAKE_MODE="engine")) == 0
+    assert time.monotonic() - t0 < 200  # no run.timeout_s: the fake idles 600 s unless the launcher ends it
+    out = capsys.readouterr().out
+    assert "RESTART 1/1: the vLLM engine (EngineCore) lost during step 3" in out  # pid 777 is the reporter's
+    assert not monitor.run_ids() or all(not monitor.run_processes(r) for r in monitor.run_ids())
+
+
+@pytest.mark.timeout(240)
+def test_truncated_latest_checkpoint_resumes_from_the_previous_one(tmp_path, capsys):
+    launch = _fake_launch(tmp_path, max_restarts=0)
+    assert train.run_single_node(launch, _env(tmp_path, FAKE_FAIL_AT="5")) == 1  # stops after step 4's checkpoint
+    _truncate(next((tmp_path / "ckpt/global_step_4/actor/model/dist_ckpt").glob("*.distcp")))
+    assert train.run_single_node(launch, _env(tmp_path)) == 0
+    out = capsys.readouterr().out
+    assert "checkpoint step 4 is damaged" in out and "resuming from the previous complete checkpoint, step 2" in out
+    assert "FAKE resumed from 2" in (tmp_path / "logs/main_ppo.log").read_text()
+
+
+@pytest.mark.timeout(240)
+def test_disk_full_save_is_said_and_its_partial_checkpoint_never_resumed(tmp_path, capsys):
+    launch = _fake_launch(tmp_path, max_restarts=1)
+    assert train.run_single_node(launch, _env(tmp_path, FAKE_FAIL_AT="4", FAKE_MODE="diskfull")) == 1
+    out = capsys.readouterr().out
+    assert "the disk of" in out and "is full (no space left on device)" in out and "RESTART" not in out
+    assert (tmp_path / "ckpt/global_step_4").is_dir() and ckpt.tracker_step(tmp_path / "ckpt") == 2
+    assert train.run_single_node(launch, _env(tmp_path)) == 0  # space freed: the rerun drops the partial save
+    out = capsys.readouterr().out
+    assert "removing the incomplete checkpoint" in out and "global_step_4" in out
+    assert "FAKE resumed from 2" in (tmp_path / "logs/main_ppo.log").read_text()
+
+
+# ------------------------------------------------------------------------------ the run directory
+
+def test_second_launcher_is_refused_and_orphans_are_ended(tmp_path):
+    with workdir.RunLock(tmp_path, "a"):
+        with pytest.raises(workdir.RunDirBusy, match="another launcher .* preset a"):
+            workdir.RunLock(tmp_path, "b").acquire()
+    # an orphaned run: its launcher was kill -9'd, its processes carry the run marker in the lock file
+    rid = "orphan" + os.urandom(4).hex()
+    orphan = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
+                              env={**os.environ, monitor.RUN_ID_ENV: rid}, start_new_session=True)
+    try:
+        (tmp_path / workdir.RECORD).write_text(json.dumps({"pid": 1, "preset": "a", "run_id": rid}))
+        said: list[str] = []
+        with workdir.RunLock(tmp_path, "a", say=said.append):
+            assert orphan.wait(timeout=30) is not None
+        assert "still has 1 process(es) running" in said[0]
+    finally:
+        if orphan.poll() is None:
+            orphan.kill()
+
+
+def test_twin_a_finished_lock_file_without_live_processes_starts_quietly(tmp_path):
+    (tmp_path / workdir.RECORD).write_text(json.dumps({"pid": 1, "preset": "a", "run_id": "gone" + os.urandom(4).hex()}))
+    said: list[str] = []
+    with workdir.RunLock(tmp_path, "a", say=said.append):
+        pass
+    assert said == []
+
+
+def test_another_preset_or_overrides_in_a_finished_run_dir_is_refused(tmp_path):
+    launch = _fake_launch(tmp_path, max_restarts=0)
+    _save_step(launch.paths.ckpt, 2)
+    workdir.record_identity(launch)
+    assert workdir.identity_mismatch(launch) is None
+    launch.overrides = ["trainer.save_freq=2", "trainer.total_training_steps=20"]  # a longer run: continues
+    assert workdir.identity_mismatch(launch) is None
+    launch.overrides = ["trainer.save_freq=2", "algorithm.rollout_correction.rollout_is=token"]
+    assert "other settings (algorithm.rollout_correction.rollout_is: (unset) -> token)" in workdir.identity_mismatch(launch)
+    launch.preset.name = "tiny_cpu_tis"
+    assert "holds a run of preset 'fake', not 'tiny_cpu_tis'" in workdir.identity_mismatch(launch)
+
+
+def test_summary_reports_only_this_invocations_seconds_per_step():
+    steps = [{"step": k, "critic/score/mean": 0.5, "timing_s/step": 100.0 if k <= 8 else 10.0} for k in range(1, 13)]
+    line = train.summary("p", True, steps, None, None, 12, this_steps={9, 10, 11, 12})
+    assert "10.0 s/step (the 4 steps of this invocation)" in line
+    line = train.summary("p", True, steps, None, None, 12, this_steps=set())
+    assert "s/step" not in line and "no step trained by this invocation" in line
+    assert "70.0 s/step" in train.summary("p", True, steps, None, None, 12)  # twin: all steps when not asked
+
+
+def test_verification_off_loads_the_truncated_checkpoint_and_crashes(two_steps):
+    """The twin of the fallback: with run.verify_checkpoints=off the tracker still names the damaged step, and
+    loading it (torch's dist-checkpoint reader, which megatron's torch_dist format uses) crashes; the
+    verified path (test_resume_falls_back_to_the_previous_complete_checkpoint) never gets there."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    d = two_steps / "global_step_8/actor/model/dist_ckpt"
+    _truncate(next(d.glob("*.distcp")))
+    step = ckpt.prepare_resume(two_steps, keep=2, mode="off", say=lambda s: None)
+    assert step == 8
+    sd = {"decoder.layers.0.mlp.weight": torch.empty(64, 32), "embedding.word_embeddings.weight": torch.empty(100, 32)}
+    with pytest.raises(CheckpointException):
+        dcp.load(sd, checkpoint_id=str(two_steps / f"global_step_{step}/actor/model/dist_ckpt"), no_dist=True)
+    good = {k: torch.empty_like(v) for k, v in sd.items()}  # twin: the step verification falls back to loads
+    dcp.load(good, checkpoint_id=str(two_steps / "global_step_4/actor/model/dist_ckpt"), no_dist=True)
+    assert ckpt.verify(two_steps / "global_step_4") == []
+
+
+# ------------------------------------------------------------------------------ schedulers: requeue / retry
+
+def test_sbatch_line_and_dlc_body_carry_the_restart_policy(tmp_path):
+    from dsv3_rl.launch.presets import PRESET_DIR, load_preset
+    from dsv3_rl.launch.specs import dlc_spec, sbatch_command
+
+    p = load_preset("671b_512xH100")
+    line = sbatch_command(p)
+    assert "--requeue" in line and "DSV3_MAX_RESTARTS=3" in line
+    body = dlc_spec(p, {}).body()
+    assert body["Settings"] == {"EnableErrorMonitoringInAIMaster": True, "ErrorMonitoringArgs":
+                                "--job-execution-mode=Sync --enable-job-restart=True --max-num-of-job-restart=3"}
+    off = tmp_path / "no_restarts.yaml"  # twin: max_restarts 0 -> neither
+    off.write_text(f"extends: {PRESET_DIR / '671b_512xH100.yaml'}\nrun: {{max_restarts: 0}}\n")
+    p0 = load_preset(off)
+    assert "--requeue" not in sbatch_command(p0) and "Settings" not in dlc_spec(p0, {}).body()
+
+
+@pytest.mark.parametrize("srun_rc,restart_count,requeued", [(1, 0, True), (1, 1, False), (2, 0, False), (0, 0, False)])
+def test_sbatch_script_requeues_a_failed_run_while_restarts_remain(tmp_path, srun_rc, restart_count, requeued):
+    """The sbatch script run with stand-ins for srun and scontrol (a dry run of the Slurm side)."""
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    (bin_ / "srun").write_text(f"#!/bin/sh\nexit {srun_rc}\n")
+    (bin_ / "scontrol").write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path / 'scontrol.log'}\n")
+    for f in bin_.iterdir():
+        f.chmod(0o755)
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PATH": f"{bin_}:{os.environ['PATH']}", "PRESET": "671b_512xH100", "REPO": str(repo),
+           "MASTER_ADDR": "node0", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_ID": "77", "DSV3_MAX_RESTARTS": "1",
+           "SLURM_RESTART_COUNT": str(restart_count)}
+    r = subprocess.run(["bash", str(repo / "examples/deepseek_v3/slurm/run_mcore_deepseek_verl.sbatch")], env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == srun_rc
+    log = tmp_path / "scontrol.log"
+    assert (log.is_file() and "requeue 77" in log.read_text()) is requeued, (r.stdout, r.stderr)
+    assert ("RESTART 1/1" in r.stdout) is requeued
+
+
+def test_a_manifest_written_after_the_damage_does_not_vouch_for_it(tmp_path):
+    root = tmp_path / "ckpt"
+    d = _save_step(root, 4)
+    _truncate(next((d / "actor/model/dist_ckpt").glob("*.distcp")))
+    ckpt.write_manifest(d)  # the launcher's manifest thread raced the damage
+    problems = ckpt.verify(d)
+    assert problems and "needs bytes" in problems[0] and "embedding.word_embeddings.weight" in problems[0]
+    assert ckpt.verify(_save_step(root, 8)) == []  # twin: an intact step without a manifest verifies
