@@ -55,6 +55,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo, when run from a bare checkout
 
 from dsv3_rl.cliargs import UsageError, parse_set  # noqa: E402
+from dsv3_rl.convert.config_map import GPU_FUSIONS  # noqa: E402
 from dsv3_rl.errors import cli_main  # noqa: E402
 from dsv3_rl.fs import write_json_atomic  # noqa: E402
 
@@ -62,9 +63,6 @@ PHASES = ("log_prob", "update", "export")
 RECIPES = ("delayed", "tensorwise", "blockwise")
 FAULTS = ("export",)  # planted: one exported element corrupted -> the export checksum check must FAIL
 SAMPLE = 1024  # elements per parameter kept to measure how far the update moved the weights
-# megatron-core's jit-fused kernels on GPU (as bench/bench_train_step.py runs the local spec)
-GPU_FUSIONS = dict(bias_activation_fusion=True, bias_dropout_fusion=True, cross_entropy_loss_fusion=True,
-                   cross_entropy_fusion_impl="native")
 # what the CPU presets (examples/deepseek_v3/presets/_tiny.yaml + tiny_cpu.yaml) pass to verl's engine
 CPU_OVERRIDES = dict(attention_backend="local", use_cpu_initialization=True, moe_grouped_gemm=False,
                      moe_shared_expert_overlap=False, moe_permute_fusion=False, apply_rope_fusion=False,

@@ -263,10 +263,6 @@ def run_hf(cfg, args, device) -> dict:
     return info
 
 
-MCORE_FUSIONS = dict(bias_activation_fusion=True, bias_dropout_fusion=True, cross_entropy_loss_fusion=True,
-                     cross_entropy_fusion_impl="native")
-
-
 def mcore_overrides(spec: str, grouped: str, attention_backend: str, te_installed: bool) -> dict:
     """TransformerConfig overrides of one spec. local: the TE-free path as it runs without TE (SDPA core
     attention, grouped-GEMM experts; forced on where TE is installed, where megatron would pick its unfused
@@ -284,6 +280,7 @@ def mcore_overrides(spec: str, grouped: str, attention_backend: str, te_installe
 def run_mcore(cfg, args, device, grouped: str, parallel, spec: str = "local") -> dict:
     from megatron.core import parallel_state as ps
 
+    from dsv3_rl.convert.config_map import GPU_FUSIONS
     from dsv3_rl.mcore import runtime
     from dsv3_rl.mcore.te_attention_probe import te_selected_backend
 
@@ -293,7 +290,7 @@ def run_mcore(cfg, args, device, grouped: str, parallel, spec: str = "local") ->
     if on_cuda():
         overrides["use_cpu_initialization"] = False  # initialise on the GPU: seconds, not minutes
         if not args.no_fusions:
-            overrides.update(MCORE_FUSIONS)
+            overrides.update(GPU_FUSIONS)
     for k in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):
         os.environ.pop(k, None)
     t0 = time.perf_counter()

@@ -31,6 +31,10 @@ from dsv3_rl.errors import Dsv3Error
 from dsv3_rl.layout import Layout
 
 SUPPORTED_MODEL_TYPES = ("deepseek_v3",)
+# megatron-core's own jit-fused (torch.compile) kernels, TE-free: what a GPU run of the local spec turns on over
+# hf_to_mcore_kwargs' CPU-safe defaults (bench/bench_train_step.py, bench/bench_grpo_update.py)
+GPU_FUSIONS = dict(bias_activation_fusion=True, bias_dropout_fusion=True, cross_entropy_loss_fusion=True,
+                   cross_entropy_fusion_impl="native")
 
 
 class UnsupportedConfigError(Dsv3Error, ValueError):
