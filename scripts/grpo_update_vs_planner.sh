@@ -12,13 +12,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/grpo-update}
 mkdir -p "$OUT"
-SITE=""
-if compgen -G ".whl/*.whl" >/dev/null; then  # pydantic etc. for the box (scripts/gpu_session.sh says how to carry them)
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && SITE=/tmp/site
-fi
-export PYTHONPATH="$PWD:$PWD/backends/megatron-core-0.16.1${SITE:+:$SITE}${PYTHONPATH:+:$PYTHONPATH}"
-export TORCHDYNAMO_DISABLE=${TORCHDYNAMO_DISABLE:-1} PYTHONUNBUFFERED=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+source scripts/gpu_env.sh  # carried wheels, backends/ check, PYTHONPATH, NVLink multicast off
 # The rows (tag, layout, model overrides, GPUs) are the planner's, registered before the run: predicted.json for
 # H100 (80 GB), predicted-h200.json for H200 (141 GB: 6 layers, so that the best layouts fill it and the rejected
 # one really overflows); PRED=... picks a file by hand.
