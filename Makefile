@@ -15,7 +15,7 @@ help:
 	@echo "make demo           GRPO that learns: the launcher's tiny_cpu preset (warm-started tiny DeepSeek-V3, CPU ok)"
 	@echo "make test           CPU test suite (the README's test command): test-fast, then test-slow"
 	@echo "make test-fast      the tests not marked slow, on both cores (pytest-xdist); the developer loop"
-	@echo "make test-slow      the slow tests (incl. the e2e GRPO runs), one at a time"
+	@echo "make test-slow      the slow tests: non-e2e on both cores, then the e2e GRPO runs one at a time"
 	@echo "make test-backends  verl's own *_on_cpu tests against the patched tree"
 	@echo "make test-gpu       GPU suite (tests/gpu), needs CUDA"
 	@echo "make backends | apply-patches | check-patches | revert-patches | patch-status | patch-diff | patches-table"
@@ -62,23 +62,28 @@ lint-patches:
 	$(PATCH_PY) lint
 	$(PATCH_PY) table --check
 
-# The CPU suite (docs: README "Tests", CONTRIBUTING.md "Markers"). Fast tests run on both cores (pytest-xdist,
-# one file per worker: a file's module fixtures are built once); `slow` ones (> ~30 s, incl. the `e2e` GRPO runs,
-# which use both cores themselves) run one at a time after them. `make test` runs both phases, the second also
-# when the first failed, and fails when either did; each phase lists its 15 slowest tests.
+# The CPU suite (docs: README "Tests", CONTRIBUTING.md "Markers", docs/ci.md). `make test` = test-fast, then
+# test-slow: the fast tests on both cores (pytest-xdist, one file per worker: a file's module fixtures are built
+# once), then the `slow` ones that are not GRPO runs (> ~30 s: torchrun layouts, model builds) on both cores too,
+# in workers of their own, then the `e2e` GRPO runs (Ray + vLLM + Megatron, a dozen processes each, kill/restart
+# timing) one at a time. Every phase runs also when an earlier one failed; `make test` fails when any did; each
+# lists its 15 slowest tests.
 PYTEST := $(PY) -m pytest tests/unit -q --durations=15
 XDIST  ?= -n 2 --dist loadfile
+SLOW    = echo "[test] slow tests but the e2e runs (-m 'slow and not e2e', $(XDIST))"; \
+	$(PYTEST) -m "slow and not e2e" $(XDIST) || rc=$$(( rc ? rc : $$? )); \
+	echo "[test] e2e GRPO runs (-m e2e, one at a time)"; $(PYTEST) -m e2e || rc=$$(( rc ? rc : $$? ))
 test: $(STAMP)
 	@rc=0; \
 	echo "[test] fast tests (-m 'not slow', $(XDIST))"; $(PYTEST) -m "not slow" $(XDIST) || rc=$$?; \
-	echo "[test] slow tests (-m slow, one at a time)"; $(PYTEST) -m slow || rc=$$(( rc ? rc : $$? )); \
+	$(SLOW); \
 	exit $$rc
 
 test-fast: $(STAMP)
 	$(PYTEST) -m "not slow" $(XDIST)
 
 test-slow: $(STAMP)
-	$(PYTEST) -m slow
+	@rc=0; $(SLOW); exit $$rc
 
 test-backends: $(STAMP)
 	bash scripts/test_backends.sh

@@ -17,7 +17,9 @@ fi
 for b in backends/megatron-core-0.16.1/megatron backends/verl-0.9.1/verl; do
   [ -d "$b" ] || { echo "error: $b is not in this working tree: carry it (backends/ is git-ignored; run 'make backends apply-patches' first)" >&2; exit 2; }
 done
-export PYTHONPATH="$PWD:$PWD/backends/megatron-core-0.16.1${SITE:+:$SITE}${PYTHONPATH:+:$PYTHONPATH}"
+# verl's source tree too: the bench imports it through dsv3_rl.refit.verl_export, and `dsv3-plan validate` (the
+# planner's dynamic-batch model uses verl's own seqlen balancing) imports it directly
+export PYTHONPATH="$PWD:$PWD/backends/megatron-core-0.16.1:$PWD/backends/verl-0.9.1${SITE:+:$SITE}${PYTHONPATH:+:$PYTHONPATH}"
 export TORCHDYNAMO_DISABLE=${TORCHDYNAMO_DISABLE:-1} PYTHONUNBUFFERED=1
 # NVLink multicast stays off (NCCL NVLS, torch symmetric memory, NVSHMEM): the lent boxes do not support it
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1

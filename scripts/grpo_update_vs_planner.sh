@@ -17,9 +17,11 @@ source scripts/gpu_env.sh  # carried wheels, backends/ check, PYTHONPATH, NVLink
 # H100 (80 GB), predicted-h200.json for H200 (141 GB: 6 layers, so that the best layouts fill it and the rejected
 # one really overflows); PRED=... picks a file by hand.
 MEM_MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -n 1)
+# The -v2 files are the fixed planner's predictions (after the first H100 measurement, docs/planner.md), registered
+# before any run they are compared with; predicted.json / predicted-h200.json stay as what was predicted first.
 if [ -z "${PRED:-}" ]; then
-  PRED=docs/results/2026-11-26-grpo-update/predicted.json
-  [ "${MEM_MIB:-0}" -gt 100000 ] && PRED=docs/results/2026-11-26-grpo-update/predicted-h200.json
+  PRED=docs/results/2026-11-26-grpo-update/predicted-v2.json
+  [ "${MEM_MIB:-0}" -gt 100000 ] && PRED=docs/results/2026-11-26-grpo-update/predicted-h200-v2.json
 fi
 echo "rows from $PRED (GPU memory ${MEM_MIB:-?} MiB)"
 # the batch the planner predicted for (docs/planner.md): 8 prompts x 8, prompt 512, responses uniform 256..2048

@@ -73,6 +73,16 @@ def _no_leaked_process_group(request):
                     "tear down what a test sets up", pytrace=False)
 
 
+@pytest.fixture(scope="session")
+def fault_chain(tmp_path_factory):
+    """The GRPO runs with a killed worker, a killed engine, a damaged checkpoint and a SIGTERM, then resumed
+    (tests/unit/grpo_fault_chain.py), once per session: test_launch_faults.py and the resume test of
+    test_grpo_learning.py each assert their part of it (issue 28: one chain of launches for both)."""
+    from grpo_fault_chain import run_chain  # tests/unit is on sys.path (pytest's prepend import mode)
+
+    return run_chain(tmp_path_factory.mktemp("fault_chain"))
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest's own -m selection sees the markers
 def pytest_collection_modifyitems(config, items):
     """An ``e2e`` test (a whole GRPO run) is always ``slow`` too: it never lands in ``make test-fast``'s

@@ -74,6 +74,13 @@ def _worker_env(pythonpath: Path | None, nproc: int) -> dict:
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                         "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")}
+    # NVTE_* attention variables megatron wrote into this process's environment for a model built here are not the
+    # user's: a worker that inherited them would take them as the user's choice (the MLA guard refused fp32 on TE)
+    from dsv3_rl.mcore import mla_attention_guard
+
+    for k, v in mla_attention_guard.MCORE_SET_ENV.items():
+        if env.get(k) == v:
+            del env[k]
     env.setdefault("TORCHDYNAMO_DISABLE", "1")
     if not torch.cuda.is_available():
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))

@@ -11,7 +11,8 @@ entry points, config files and keys (docs/algorithms.md). The one place the mode
     (verl/experimental/one_step_off_policy): the rollout runs on its own GPUs (``rollout.nnodes`` x
     ``rollout.n_gpus_per_node``) and generates batch k+1 while the trainer (``trainer.nnodes`` x
     ``trainer.n_gpus_per_node``) trains on batch k; the weights go trainer -> rollout once per step through
-    verl's checkpoint engine (``actor_rollout_ref.rollout.checkpoint_engine.backend: nccl``). Every sample is
+    verl's checkpoint engine (``actor_rollout_ref.rollout.checkpoint_engine.backend``: ``nccl`` on GPUs, ``shm``
+    on a CPU preset, verl patch 0035). Every sample is
     exactly one policy version old (the staleness bound is 1 by construction).
 ``fully_async``
     ``python -m verl.experimental.fully_async_policy.fully_async_main
@@ -50,8 +51,9 @@ that produced it.
 
 Combinations verl 0.9.1 cannot run are refused in one line (:func:`choose`): DAPO's group filter is read only
 by the v1 trainer's ReplayBuffer (verl/trainer/ppo/v1/trainer_base.py), which the experimental one-step-off and
-fully-async trainers do not use; fully-async needs a cross-process checkpoint engine (nccl/nixl/mooncake, all
-CUDA), which the CPU demo does not have.
+fully-async trainers do not use; fully-async on a CPU preset is refused (not run on CPU: its rollouter and
+trainer need their own resource pools and the CPU demo's 2 cores; one-step-off runs there with the ``shm``
+checkpoint engine).
 """
 
 from __future__ import annotations
@@ -117,6 +119,8 @@ OVERLONG_SHARE = 0.2
 GSPO_CLIP_MAX = 0.01
 #: the rollout correction an off-policy mode gets when the preset does not name one
 OFF_POLICY_CORRECTION = "tis"
+#: the checkpoint engine an off-policy mode gets on a CPU preset (verl patch 0035: files under /dev/shm, one host)
+CPU_CHECKPOINT_ENGINE = "shm"
 
 _Count = typing.Annotated[int, pydantic.Field(strict=True, ge=1)]
 
@@ -181,9 +185,8 @@ def choose(data: dict, hardware: dict, rollout_correction: str) -> Choice:
                              "(algorithm.filter_groups) only in the v1 trainer's ReplayBuffer, which the experimental "
                              "off-policy trainers do not use (allowed with dapo: sync)")
     if mode == "fully_async" and cpu:
-        raise AlgorithmError("trainer_mode=fully_async on a CPU preset (hardware.gpu=cpu): the rollouter and the "
-                             "trainer need separate resources and a cross-process checkpoint engine (nccl/nixl, "
-                             "CUDA only); the CPU demo can dry-run trainer_mode=one_step_off and run sync "
+        raise AlgorithmError("trainer_mode=fully_async on a CPU preset (hardware.gpu=cpu): not supported on CPU "
+                             "(its rollouter and trainer need their own resource pools; not run on the CPU demo) "
                              "(allowed on cpu: sync, one_step_off)")
     if mode != "fully_async":
         for k in ("staleness_threshold", "trigger_parameter_sync_step", "partial_rollout"):
@@ -239,6 +242,8 @@ def verl_tree(choice: Choice, hardware: dict, max_response_length: int | None) -
     if rollout is not None:
         t["rollout"] = {"nnodes": rollout[0], "n_gpus_per_node": rollout[1]}
         t.setdefault("actor_rollout_ref", {})["hybrid_engine"] = False
+        if hardware.get("gpu") == "cpu":   # verl's cross-process engines are CUDA-only: patch 0035's shm engine
+            t["actor_rollout_ref"]["rollout"] = {"checkpoint_engine": {"backend": CPU_CHECKPOINT_ENGINE}}
         if choice.trainer_mode == "fully_async":
             a = {k: choice.off_policy[k] for k in ("staleness_threshold", "trigger_parameter_sync_step",
                                                    "partial_rollout") if k in choice.off_policy}
@@ -316,6 +321,11 @@ def check_config(cfg, choice: Choice) -> list[str]:
         if not _sel(cfg, "actor_rollout_ref.rollout.calculate_log_probs", False):
             errs.append(f"trainer_mode={choice.trainer_mode} needs actor_rollout_ref.rollout.calculate_log_probs="
                         "true (rollout correction and the staleness metrics use vLLM's log-probs)")
+        be = _sel(cfg, "actor_rollout_ref.rollout.checkpoint_engine.backend")
+        if str(_sel(cfg, "trainer.device", "")) == "cpu" and be != CPU_CHECKPOINT_ENGINE:
+            errs.append(f"trainer_mode={choice.trainer_mode} on CPU with actor_rollout_ref.rollout.checkpoint_engine."
+                        f"backend={be!r}: verl's cross-process engines need CUDA (on CPU: {CPU_CHECKPOINT_ENGINE}, "
+                        "verl patch 0035)")
         rc = _sel(cfg, "algorithm.rollout_correction") or {}
         if not rc.get("bypass_mode") and rc.get("rollout_is") is None and rc.get("rollout_rs") is None:
             errs.append(f"trainer_mode={choice.trainer_mode} without rollout correction "

@@ -252,7 +252,7 @@ def _run_attempts(launch, env: dict[str, str], lock) -> int:
         steps = checks_mod.read_run_metrics(metrics)
     except checks_mod.CheckError as e:
         say(f"no metrics: {e}")
-    plots = write_plots(steps, paths.logs, _dense_layers(paths)) if steps else []
+    plots = write_plots(steps, paths.logs, _dense_layers(paths), _plot_title(launch)) if steps else []
     run_info = {"seconds": round(res.seconds, 1), "peak_pss_gib": round(res.peak_pss_bytes / 2**30, 2),
                 "peak_at_s": round(res.peak_at_s, 1), "resumed_from": resume0,
                 "restarts": [{k: v for k, v in r.items() if k != "t_last"} for r in restarts],
@@ -360,6 +360,13 @@ def _checks(launch, metrics: Path, total: int, run_info: dict | None = None):
     return report
 
 
+def _plot_title(launch) -> str:
+    """The reward plot's title: the preset's algorithm, and its trainer mode when not sync."""
+    p = launch.preset
+    mode = "" if p.trainer_mode == "sync" else f" ({p.trainer_mode.replace('_', '-')})"
+    return f"{p.algorithm.upper()}{mode} reward per step"
+
+
 def _dense_layers(paths) -> int:
     """DeepSeek-V3's leading dense layers (``first_k_dense_replace`` of the run's HF config; 0 if unknown)."""
     from dsv3_rl.convert.weights import load_hf_config
@@ -380,7 +387,7 @@ def check_finished(launch) -> int:
     metrics = Path(launch.env.get("VERL_FILE_LOGGER_PATH") or paths.logs / "metrics.jsonl")
     total = int(_select(launch.cfg, "trainer.total_training_steps", 0) or 0)
     steps = checks_mod.read_run_metrics(metrics)
-    plots = write_plots(steps, paths.logs, _dense_layers(paths))
+    plots = write_plots(steps, paths.logs, _dense_layers(paths), _plot_title(launch))
     report = _checks(launch, metrics, total) if launch.preset.checks is not None else None
     if report is not None:
         print(report.render(), flush=True)

@@ -224,6 +224,10 @@ def decide_mla_attention_backend(
         f"attention_backend=local/sdpa (no TE), or flash with FlashAttention-3 on Hopper. "
         f"{GUARD_ENV}=0 skips this check."
     )
+    # auto in fp32: TE never fuses it, whatever NVTE_FUSED_ATTN says (megatron's auto
+    # mode writes NVTE_FUSED_ATTN=1 into os.environ, and a process it spawns inherits it as if the user had set it)
+    if requested == "auto" and _dtype_name(dtype) not in ("bf16", "fp16"):
+        return MLAAttentionDecision("unfused", {}, False, reason)
     if requested == "fused" or (requested == "auto" and user_fused is True and not fused_ok):
         if fused_ok:
             return MLAAttentionDecision("fused", {}, True, reason)
@@ -239,8 +243,6 @@ def decide_mla_attention_backend(
             f"supports them on Hopper only. {fix}"
         )
     # auto
-    if _dtype_name(dtype) not in ("bf16", "fp16"):
-        return MLAAttentionDecision("unfused", {}, False, reason)  # TE never fuses these; nothing to do
     if fused_ok and user_fused is not False:
         return MLAAttentionDecision("fused", {}, True, reason)
     backend = "flash" if (fa3 and user_flash is not False) else "unfused"

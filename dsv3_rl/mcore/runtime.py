@@ -54,9 +54,23 @@ def init_distributed(parallel: Parallel, seed: int = 1234, timeout_s: int = 600)
     expert_parallel = parallel.ep * parallel.etp_ * parallel.pp
     if world % expert_parallel:
         raise ValueError(f"world size {world} is not divisible by EP*ETP*PP = {parallel.ep}*{parallel.etp_}*{parallel.pp}")
-    ps.destroy_model_parallel()
+    destroy_model_parallel_groups()
     ps.initialize_model_parallel(**parallel.mcore_sizes())
     model_parallel_cuda_manual_seed(seed)
+
+
+def destroy_model_parallel_groups() -> None:
+    """megatron's destroy_model_parallel() only forgets its groups; torch keeps each one (and, with NCCL, its
+    communicator and buffers on the GPU) until it is destroyed. A process that rebuilds the groups for every job
+    (the correctness worker: a dozen layouts per launch) ran 4x H100 out of memory that way (2026-11-26)."""
+    from megatron.core import parallel_state as ps
+    from torch.distributed import distributed_c10d as c10d
+
+    if dist.is_initialized():
+        for pg in list(c10d._world.pg_map):
+            if pg is not c10d.GroupMember.WORLD:
+                dist.destroy_process_group(pg)
+    ps.destroy_model_parallel()
 
 
 def destroy() -> None:

@@ -137,6 +137,9 @@ def train_seconds(m, cluster: Cluster, grpo: GRPOShape, layout: Layout, options:
     return p.step_seconds - export, export
 
 
+REPLAN_CANDIDATES = 8  #: the search's best layouts per pool that --replan runs through the phase model
+
+
 def _pool_train(m, c: Cluster, grpo: GRPOShape, layout: Layout, options: Options, replan: bool):
     """(T, F, layout) on pool C: the preset's layout, or with REPLAN the faster of it and the planner's best layout
     for the pool (:func:`dsv3_rl.planner.search.plan`, trainer alone); (inf, inf, "") when none fits."""
@@ -145,8 +148,9 @@ def _pool_train(m, c: Cluster, grpo: GRPOShape, layout: Layout, options: Options
         from dsv3_rl.planner.search import plan
 
         res = plan(m, c, grpo, dataclasses.replace(options, rollout=False))
-        if res.best is not None:
-            cands.append(res.best.layout)
+        # the search ranks by the update's memory; the phase model also checks the log-prob and export peaks, so
+        # its first few candidates are tried (the search's best can fail there: TP4 PP40 EP8 on 320 H100s)
+        cands += [e.layout for e in res.feasible[:REPLAN_CANDIDATES]]
     best = (math.inf, math.inf, "")
     for lay in cands:
         try:

@@ -407,11 +407,15 @@ def train_memory(m, split, lay, grpo, opt, world: int, n_micro: int) -> tuple[Me
         if opt.optimizer_impl == "torch":
             # torch Adam(W) foreach: sqrt(exp_avg_sq) for every main param at once, after the
             # activations are gone; only its excess over the fwd/bwd peak matters
-            step_ws = 4 * ((p.dense / dp_cp + p.expert / edp) if opt.distributed_optimizer else p.total)
+            # megatron builds one optimizer for the dense and one for the expert-parallel params (a ChainedOptimizer,
+            # optimizer/__init__.py filter_fn on 'is_expert_parallel'): each step() allocates its own foreach
+            # temporary and frees it before the next, so the largest of the two counts (measured: 4xH100 best2,
+            # 2026-11-26, 68.5 GiB vs 71.7 predicted with the sum)
+            step_ws = 4 * (max(p.dense / dp_cp, p.expert / edp) if opt.distributed_optimizer else max(p.dense, p.expert))
             step_ws *= 1 - opt.optimizer_cpu_offload_fraction
             mb.transient += max(0.0, step_ws - (mb.activations + mb.logits + mb.transient))
         mb.comm_buffers = _comm_buffer_bytes(m, lay, opt, tokens)
-        mb.reserve = opt.reserve_gib * GIB
+        mb.reserve = non_torch_reserve(lay, opt)
         mb.detail = dict(params=p.total, dense_params=p.dense, expert_params=p.expert, inflight_chunks=n_inflight,
                          layers=split.rank_layers(r), tokens_per_microbatch=tokens, attention=attention,
                          fp8_weight_cache=fp8_cache, train_precision=opt.train_precision)
@@ -440,12 +444,33 @@ def _grad_working_set(m, lay, opt, seq: int) -> float:
 
 
 def _comm_buffer_bytes(m, lay, opt, tokens: float) -> float:
-    """All-to-all send/receive buffers of one MoE layer (dispatch in flight): the permuted tokens
-    are already counted in the activations; this is the extra receive buffer."""
-    if not m.num_experts or lay.ep * lay.etp_ <= 1:
-        return 0.0
-    sp = lay.tp if lay.sp_ else 1
-    return 2 * m.topk * tokens / sp * m.hidden * 2
+    """All-to-all buffers beyond the activations: none. The dispatch's output *is* the permuted tokens the expert
+    GEMMs save (counted in the activations) and its input is freed by then. The former rule (one extra receive
+    buffer of ``2 x topk x tokens x hidden`` bytes) was refuted by the 2-GPU pair measured on 2026-11-26 (H100,
+    TP2 EP1 vs TP2 EP2, same batch: the update's dynamic peak 9.20 vs 9.28 GiB, no EP-dependent term)."""
+    return 0.0
+
+
+#: non-PyTorch memory per GPU of a megatron/verl trainer process (CUDA context, cuBLAS/cuDNN workspaces, NCCL
+#: communicators and their buffers) as the CUDA OOM message reports it ("this process has X in use" - allocated -
+#: reserved-but-unallocated): 6.74 GiB on all 4 ranks of TP1 EP4 (H100, torch 2.11+cu130, 2026-11-26, oom row)
+NON_TORCH_GIB = 6.74
+#: each lazily created NCCL communicator for megatron's pipeline send/recv (PP > 1 makes two per rank, the log's
+#: "unbatched P2P op ... new 2-rank NCCL communicator"): best3 (TP2 PP2 EP2) rank 3 had 7.61 GiB non-PyTorch
+NCCL_P2P_COMM_GIB = 0.435
+#: the caching allocator's reserved-but-unallocated memory that a large request cannot reuse (fragmentation):
+#: 2.90 GiB on best3's rank 3 when its 2.44 GiB request failed (and 1.4-3.4 GiB on the oom row's ranks)
+FRAGMENTATION_GIB = 2.90
+
+
+def non_torch_reserve(lay, opt) -> float:
+    """Bytes per GPU the torch-allocated peak must leave free: ``Options.reserve_gib`` when set (it replaces this
+    rule); otherwise the measured non-PyTorch memory (:data:`NON_TORCH_GIB`, + :data:`NCCL_P2P_COMM_GIB` per
+    pipeline send/recv communicator) and the allocator's fragmentation (:data:`FRAGMENTATION_GIB`)."""
+    if opt.reserve_gib is not None:
+        return opt.reserve_gib * GIB
+    p2p = 2 if lay.pp > 1 else 0
+    return (NON_TORCH_GIB + p2p * NCCL_P2P_COMM_GIB + FRAGMENTATION_GIB) * GIB
 
 
 # --- rollout memory ---------------------------------------------------------------------------
@@ -575,7 +600,7 @@ def trainer_resident_during_rollout(train: MemoryBreakdown, opt) -> float:
     if not opt.optimizer_offload:
         keep += train.optimizer
     keep += train.ref_weights
-    keep += opt.reserve_gib * GIB * 0.5  # the trainer process's own context + NCCL communicators
+    keep += (opt.reserve_gib if opt.reserve_gib is not None else NON_TORCH_GIB + FRAGMENTATION_GIB) * GIB * 0.5  # the trainer process's own context + NCCL communicators
     return keep
 
 

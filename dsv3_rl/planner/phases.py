@@ -13,12 +13,14 @@ The model (assumptions; docs/planner.md, "Measured against the planner"):
   spec) every micro-batch is padded to the longest sequence of the DP rank's mini-batch, and the model computes and
   stores the padded tokens (the largest padded micro-batch sets the activations; the padded FLOPs the time; MFU
   counts the real ones);
-* compute time = FLOPs / (GPUs x dense BF16 peak x ``Options.mfu``) / (1 - pipeline bubble); ``mfu`` here is the
-  efficiency of the GEMM-dominated compute alone (0.35: megatron-core's local spec on one H100 ran the proxy's
-  train step at 0.40, TP2 at 0.30 and EP2 at 0.34 *including* their communication, docs/fast-path.md);
-* exposed communication on top (no overlap assumed inside a micro-batch): MoE all-to-all (dispatch + combine of
-  every routed copy that leaves the GPU, forward; again in the backward), TP/SP all-gather + reduce-scatter (8
-  per layer per forward-backward pass), all at ``comm_efficiency`` x nominal NVLink (inter-node by the NIC);
+* time (rules measured on 4 x H100, 2026-11-26; docs/planner.md, "Measured vs predicted (4x H100, 2026-11-26)"):
+  GEMM + attention = padded FLOPs / (GPUs x dense BF16 peak x :data:`GEMM_EFFICIENCY`) / (1 - pipeline bubble);
+  memory-bound kernels (:data:`ELEMENTWISE_BYTES_PER_SAVED_BYTE` x the saved activation bytes, plus the fp32
+  grad accumulation per micro-batch); host gaps per layer and micro-batch (:data:`HOST_GAP_S_PER_LAYER_MB`);
+  exposed communication (no overlap inside a micro-batch) at ``COMM_EFFICIENCY`` x nominal NVLink (inter-node by
+  the NIC) plus :data:`COLLECTIVE_LATENCY_S` per call: MoE all-to-all (dispatch + combine of every routed copy that
+  leaves the GPU, forward; again in the backward), TP/SP collectives (:data:`TP_COLLECTIVES_FWD` /
+  :data:`TP_COLLECTIVES_BWD` per layer and micro-batch), PP sends;
 * gradient sync (distributed optimizer): reduce-scatter of the grads + all-gather of the bf16 params over DP
   (dense) and expert-DP (experts), not overlapped (verl's default ``overlap_grad_reduce`` is off);
 * optimizer step: memory-bound, ``OPTIMIZER_BYTES_PER_PARAM`` bytes of HBM traffic per local main parameter;
@@ -26,7 +28,8 @@ The model (assumptions; docs/planner.md, "Measured against the planner"):
   algorithm, PP broadcast + EP/TP gather + producing every HF tensor), without the rollout's load;
 * memory: the update's peak is the planner's trainer peak (``allocated``: what
   ``torch.cuda.max_memory_allocated`` shows, the reserve excluded); log-prob = weights + grads + optimizer
-  states (they stay resident) + one micro-batch's logits and one layer's forward working set; export = the same
+  states (they stay resident) + on the last stage verl's entropy/log-prob buffers (:data:`LOGPROB_VOCAB_BYTES`
+  per token x vocab/TP), else one layer's forward working set; export = the same
   static memory + the 2 GiB bucket + one MoE layer's experts gathered over EP (bf16).
 """
 
@@ -52,6 +55,38 @@ COMM_EFFICIENCY = 0.6
 HBM_EFFICIENCY = 0.7
 #: the refit's bucket buffer the export fills (bench_grpo_update.py's GPU default, ``--bucket-mb 2048``)
 EXPORT_BUCKET = 2 * GIB
+#: bytes per (token x vocab/TP) element alive at once on the last PP stage while verl's ``compute_log_prob`` runs
+#: its logits processor with ``calculate_entropy=True`` (transformer_impl.py ``_lm_head_logits_processor``): the
+#: bf16 logits and megatron's ``transpose(0, 1).contiguous()`` copy, ``logits.clone()`` for the entropy, the
+#: entropy's ``logits - max`` tensor, then megatron's cross entropy's fp32 ``.float()`` copy. Measured as
+#: (log-prob peak - static memory) / (largest padded micro-batch x vocab/TP): 16.6 B at TP2 (3 runs) and 17.1 B
+#: at TP4 (H100, 2026-11-26); best3's rank 3 held 12.5 B when the fp32 copy (4 B) failed. (The old rule counted
+#: the update's 6 B: fp32 saved + bf16 logits.)
+LOGPROB_VOCAB_BYTES = 16.6
+#: achieved fraction of the BF16 peak of the GEMM (nvjet, cutlass grouped) and cuDNN SDPA kernels on the padded
+#: FLOPs: 0.841 PFLOP per GPU in 1.011 s GEMM + 0.520 s attention kernel time (best1 trace, H100, 2026-11-26)
+GEMM_EFFICIENCY = 0.555
+#: HBM bytes of memory-bound (elementwise, norm, SwiGLU, RoPE, cat/copy, permutation) kernels per byte of saved
+#: activations, forward + backward: best1's 0.92 s of such kernels (1.06 s "other" minus 0.14 s of fp32 gradient
+#: accumulation) moved ~2.16 TB at 0.7 x 3.35 TB/s against 100 GB of activations saved over its 9 micro-batches
+ELEMENTWISE_BYTES_PER_SAVED_BYTE = 21.5
+#: fp32 main-grad accumulation after each micro-batch's backward: read fp32 + bf16 grad, write fp32 (10 B per
+#: local parameter per micro-batch; best1: 3.68 G params x 9 x 10 B / 2.35 TB/s = 0.14 s, trace 0.139 s)
+GRAD_ACCUM_BYTES_PER_PARAM = 10.0
+#: per collective launch + synchronisation latency (NCCL on NVLink, small calls of the best1 trace: 15-46 us)
+COLLECTIVE_LATENCY_S = 30e-6
+#: hidden-sized TP/SP collectives per decoder layer and micro-batch with sequence parallelism (megatron-core
+#: 0.16.1 local spec, MLA down-projections column-parallel): forward 3 all-gathers (q_down, kv_down, MLP/shared
+#: fc1 inputs) + 2 reduce-scatters (linear_proj, fc2); backward 3 re-gathers of those inputs for the weight grads,
+#: 2 all-gathers of the row-parallel output grads and 3 reduce-scatters of the column-parallel input grads.
+#: best1 trace: 35 all-gathers + 22 reduce-scatters of hidden size per micro-batch = 4 layers x (8 + 5) + output layer
+TP_COLLECTIVES_FWD = 5
+TP_COLLECTIVES_BWD = 8
+#: GPU idle while the host launches kernels (the local spec runs ~600 small kernels per layer and micro-batch, fwd +
+#: bwd; 21k kernels in best1's update), per decoder layer and micro-batch, forward + backward (a third of it in a
+#: forward-only pass): best1's update measured 3.90 s with 3.20 s of kernel time = 0.70 s / (9 x 4) = 19.4 ms.
+#: It does not shrink with the tokens, so layouts with more micro-batches per GPU (TP4: DP1, 18) pay more.
+HOST_GAP_S_PER_LAYER_MB = 0.0194
 
 
 @dataclasses.dataclass
@@ -205,26 +240,36 @@ def predict_phases(model, cluster, grpo, layout, options, *, seq_lens: list[int]
     if lay.vpp and lay.pp > 1:
         n_micro = -(-n_micro // lay.pp) * lay.pp
     bubble = bubble_fraction(lay.pp, lay.vpp_, n_micro)
-    rate = world * peak * o.mfu
+    rate = world * peak * GEMM_EFFICIENCY  # GEMM + attention kernels; the memory-bound rest is its own part
     gpn = c.gpus_per_node
     # the worst PP rank's layers (per layer the traffic is the same; the stage with most layers counts)
     split_layers_ = ev.memory.detail["layers"] if ev.memory else list(range(m.num_layers))
     moe_layers = sum(m.is_moe_layer(i) for i in split_layers_)
     layers = len(split_layers_)
     ep = lay.ep
+    lat = COLLECTIVE_LATENCY_S * n_micro
     a2a_fwd = 0.0
-    if ep > 1:
+    if ep > 1:  # dispatch + combine per MoE layer (+ the token-count exchange before each), per micro-batch
         a2a_bytes = 2 * tok_gpu / sp * m.topk * lay.etp_ * m.hidden * 2 * (ep - 1) / ep * moe_layers
-        a2a_fwd = a2a_bytes / _link_bw(gpu, lay.etp_ * ep, gpn)
-    tp_fwd = 0.0
-    if lay.tp > 1:
-        tp_bytes = 4 * tok_gpu * m.hidden * 2 * (lay.tp - 1) / lay.tp * layers  # AG + RS around attn and MLP
-        tp_fwd = tp_bytes / _link_bw(gpu, lay.tp, gpn)
+        a2a_fwd = a2a_bytes / _link_bw(gpu, lay.etp_ * ep, gpn) + 4 * moe_layers * lat
+    tp_fwd = tp_bwd = 0.0
+    if lay.tp > 1:  # each call moves one hidden-sized shard of the micro-batch (decoder layers + the output layer)
+        per_call = tok_gpu * m.hidden * 2 * (lay.tp - 1) / lay.tp / _link_bw(gpu, lay.tp, gpn) + lat
+        tp_fwd = per_call * (TP_COLLECTIVES_FWD * layers + 1)
+        tp_bwd = per_call * (TP_COLLECTIVES_BWD * layers + 2)
     pp_fwd = 0.0
     if lay.pp > 1:  # activations sent between stages, per micro-batch (point-to-point, small)
-        pp_fwd = tok_gpu / sp * m.hidden * 2 * (lay.pp - 1) / lay.pp / _link_bw(gpu, 2, gpn)
+        pp_fwd = tok_gpu / sp * m.hidden * 2 * (lay.pp - 1) / lay.pp / _link_bw(gpu, 2, gpn) + lat
+    # memory-bound kernels: elementwise traffic over the saved activations of the rank's layers (padded tokens of
+    # one GPU: tok_gpu is per DP replica, activations per token per GPU already divided by TP/SP where split)
+    act_tok = sum(mem.layer_activation(m, m.is_moe_layer(i), lay, o, g.seq_len if o.transformer_impl == "local" else 0).full
+                  for i in split_layers_)
+    hbm = gpu.hbm_tbs * 1e12 * HBM_EFFICIENCY
+    elem_fb = ELEMENTWISE_BYTES_PER_SAVED_BYTE * act_tok * tok_gpu / hbm / max(1e-9, 1 - bubble)
     # log-prob
-    lp_parts = dict(compute=f_work / rate / max(1e-9, 1 - bubble), all_to_all=a2a_fwd, tp=tp_fwd, pp=pp_fwd)
+    host = HOST_GAP_S_PER_LAYER_MB * layers * n_micro / max(1e-9, 1 - bubble)
+    lp_parts = dict(compute=f_work / rate / max(1e-9, 1 - bubble), elementwise=elem_fb / 3, host_gaps=host / 3,
+                    all_to_all=a2a_fwd, tp=tp_fwd, pp=pp_fwd)
     rc = 4 / 3 if lay.recompute == "full" else 1.0
     passes = 2 + (1 if lay.recompute == "full" else 0)  # fwd + bwd (+ recomputed fwd)
     # update: forward + backward, gradient sync, optimizer step
@@ -240,8 +285,12 @@ def predict_phases(model, cluster, grpo, layout, options, *, seq_lens: list[int]
     local_main = (params["dense_params"] / max(1, dp * lay.cp) + params["expert_params"] / edp) \
         if o.distributed_optimizer else params["dense_params"] + params["expert_params"]
     opt_step = local_main * OPTIMIZER_BYTES_PER_PARAM * (1 - o.optimizer_cpu_offload_fraction) / (gpu.hbm_tbs * 1e12 * HBM_EFFICIENCY)
-    up_parts = dict(compute=3 * f_work * rc / rate / max(1e-9, 1 - bubble), all_to_all=a2a_fwd * passes,
-                    tp=tp_fwd * passes, pp=pp_fwd * 2, grad_sync=sync, optimizer=opt_step)
+    local_params = params["dense_params"] + params["expert_params"]
+    grad_accum = GRAD_ACCUM_BYTES_PER_PARAM * local_params * n_micro / hbm
+    up_parts = dict(compute=3 * f_work * rc / rate / max(1e-9, 1 - bubble), elementwise=elem_fb * rc + grad_accum,
+                    host_gaps=host * rc,
+                    all_to_all=a2a_fwd * passes, tp=tp_fwd * (passes - 1) + tp_bwd, pp=pp_fwd * 2, grad_sync=sync,
+                    optimizer=opt_step)
     # export (verl's per-tensor export; no rollout engine to load into)
     rf = estimate_refit(m, gpu, gpn, world, tp=lay.tp, pp=lay.pp, ep=lay.ep, etp=lay.etp_, rollout_tp=1,
                         algorithm="verl")
@@ -252,20 +301,36 @@ def predict_phases(model, cluster, grpo, layout, options, *, seq_lens: list[int]
         mb = ev.memory
         static = mb.weights + mb.grads + mb.optimizer + mb.ref_weights
         tokens_mb = g_mem.tokens_per_micro_batch / lay.cp
-        saved_logits, transient_logits = mem.logits_bytes_per_token(m, lay, o)
-        biggest = max(mem.layer_activation(m, m.is_moe_layer(i), lay, o, g.seq_len if o.transformer_impl == "local" else 0).full
-                      for i in split_layers_) if split_layers_ else 0.0
-        lp_mem = static + max((saved_logits + transient_logits) * tokens_mb, biggest * tokens_mb) + mb.comm_buffers
+        # log-prob, per PP stage: the stage holding the output layer runs verl's logits processor (entropy +
+        # log-probs) on the largest padded micro-batch; the others hold one layer's forward working set
+        seq_ = g.seq_len if o.transformer_impl == "local" else 0
+        lp_mem = 0.0
+        for st in (ev.stage_memory or [mb]):
+            st_static = st.weights + st.grads + st.optimizer + st.ref_weights
+            st_layers = st.detail.get("layers", split_layers_)
+            biggest = max((mem.layer_activation(m, m.is_moe_layer(i), lay, o, seq_).full for i in st_layers), default=0.0)
+            vocab_ws = LOGPROB_VOCAB_BYTES * m.vocab / lay.tp * tokens_mb if st.logits > 0 else 0.0
+            lp_mem = max(lp_mem, st_static + max(vocab_ws, biggest * tokens_mb) + st.comm_buffers)
         moe_i = [i for i in split_layers_ if m.is_moe_layer(i)]
         gathered = m.num_experts * m.expert_params() * 2.0 * lay.etp_ if moe_i else 0.0
         ex_mem = static + EXPORT_BUCKET + (gathered * (1 - 1 / max(1, ep * lay.etp_)) if moe_i else 0.0)
         up_mem = mb.allocated
     else:
         lp_mem = up_mem = ex_mem = 0.0
+    violations = list(ev.violations)
+    if ev.memory is not None:
+        cap = c.memory_bytes
+        for name, peak_b in (("log-prob", lp_mem), ("export", ex_mem)):
+            if peak_b + ev.memory.reserve > cap and not any(v.rule == "mem.trainer" for v in violations):
+                from dsv3_rl.planner.rules import Violation
+
+                violations.append(Violation("mem.trainer", f"{name} peak {peak_b / GIB:.1f} GiB + "
+                                            f"{ev.memory.reserve / GIB:.1f} GiB non-PyTorch/fragmentation > "
+                                            f"{cap / GIB:.1f} GiB per GPU", "planner memory model (verl log-prob path)"))
     phases["log_prob"] = PhaseTime(sum(lp_parts.values()), f_real, tokens, lp_parts, lp_mem)
     phases["update"] = PhaseTime(sum(up_parts.values()), 3 * f_real, tokens, up_parts, up_mem)
     phases["export"] = PhaseTime(sum(ex_parts.values()), 0.0, tokens, ex_parts, ex_mem)
-    return PhasePrediction(layout=lay, world=world, feasible=not ev.violations, violations=list(ev.violations),
+    return PhasePrediction(layout=lay, world=world, feasible=not violations, violations=violations,
                            memory=ev.memory, phases=phases, gpu=c.gpu, peak_tflops=gpu.bf16_tflops)
 
 
@@ -349,9 +414,16 @@ def predictions_json(model, cluster, grpo, options, preds: list[tuple[str, Phase
                          layout_arg=layout_arg(p.layout), grpo=dataclasses.asdict(grpo),
                          seq_lens_mean=round(sum(seq_lens) / len(seq_lens), 1) if seq_lens else None,
                          options=dataclasses.asdict(options), capacity_gib=round(cluster.memory_bytes / GIB, 2),
-                         assumptions=dict(mfu=options.mfu, comm_efficiency=COMM_EFFICIENCY,
+                         assumptions=dict(gemm_efficiency=GEMM_EFFICIENCY, comm_efficiency=COMM_EFFICIENCY,
                                           hbm_efficiency=HBM_EFFICIENCY,
-                                          optimizer_bytes_per_param=OPTIMIZER_BYTES_PER_PARAM),
+                                          optimizer_bytes_per_param=OPTIMIZER_BYTES_PER_PARAM,
+                                          elementwise_bytes_per_saved_byte=ELEMENTWISE_BYTES_PER_SAVED_BYTE,
+                                          grad_accum_bytes_per_param=GRAD_ACCUM_BYTES_PER_PARAM,
+                                          host_gap_s_per_layer_mb=HOST_GAP_S_PER_LAYER_MB,
+                                          collective_latency_s=COLLECTIVE_LATENCY_S,
+                                          tp_collectives_fwd_bwd=[TP_COLLECTIVES_FWD, TP_COLLECTIVES_BWD],
+                                          logprob_vocab_bytes=LOGPROB_VOCAB_BYTES,
+                                          reserve_gib=round(mem.non_torch_reserve(p.layout, options) / GIB, 2)),
                          predicted=p.to_dict())
     return dict(kind="dsv3-plan phases", runs=list(runs.values()))
 

@@ -162,7 +162,12 @@ def evaluation_report(ev, m, c, g, o) -> str:
     if ev.time:
         t = ev.time
         ro = f"{ev.rollout_time['total']:.0f}s" if ev.rollout_time.get("total") is not None else "-"
-        lines.append(f"estimated step (ranking only): train {t['total']:.0f}s (compute {t['compute']:.0f}, all-to-all "
+        from dsv3_rl.planner.validation import measured_layout
+
+        meas = measured_layout(m.name, ev.trainer_gpus, c.gpu, ev.layout.short())
+        label = (f"training half measured on GPU: {meas[0]:.2f} s, `dsv3-plan phases` predicts {meas[1]:.2f}x of it, "
+                 f"{meas[2]}" if meas else "ranking only")
+        lines.append(f"estimated step ({label}): train {t['total']:.0f}s (compute {t['compute']:.0f}, all-to-all "
                      f"{t['a2a']:.0f}, TP {t['tp']:.0f}, grad sync {t['grad_sync']:.0f}, offload {t['offload']:.0f}), "
                      f"rollout {ro}" + (" (overlapped with training)" if t.get("overlapped") else ""))
     for n in ev.notes:

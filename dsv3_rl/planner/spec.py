@@ -210,9 +210,11 @@ class Options:
     :func:`dsv3_rl.planner.memory.rollout_weight_bytes`). A preset sets it with ``rollout_quantization``"""
     rollout_enforce_eager: bool = False
     rollout_max_num_batched_tokens: int = 8192
-    reserve_gib: float = 5.0
+    reserve_gib: float | None = None
     """per GPU memory not visible to torch's allocator statistics: CUDA context, NCCL
-    communicators and buffers, allocator fragmentation"""
+    communicators and buffers, allocator fragmentation. None (default): the measured rule
+    :func:`dsv3_rl.planner.memory.non_torch_reserve` (9.64 GiB, 10.51 with PP; was a flat 5.0 before the
+    4xH100 measurements of 2026-11-26)"""
     max_tp: int | None = None
     """largest trainer TP searched (default: GPUs per node, TP stays on NVLink)"""
     max_pp: int = 64

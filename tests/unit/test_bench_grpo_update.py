@@ -271,3 +271,27 @@ def test_local_spec_on_gpu_builds_megatrons_torch_norm():
         norm(bench.spec_overrides("local", cuda)["persist_layer_norm"])
     with pytest.raises(AssertionError, match="persist_layer_norm"):
         norm(True)  # verl's default
+
+
+def test_profile_counts_each_kernel_once(tmp_path):
+    """The profile's categories come from the trace's device events only: a kernel is counted once, not again
+    under the aten op that launched it (key_averages() did that: 14.3 s "busy" in a 7.6 s step on 4x H100).
+    Twin: counting the CPU ops of the same trace as well puts busy above the wall clock."""
+    b = _bench_module()
+    ev = [
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "dur": 900_000},
+        {"ph": "X", "cat": "kernel", "name": "nvjet_sm90_tst_256x144", "dur": 900_000},
+        {"ph": "X", "cat": "cpu_op", "name": "c10d::alltoall_base_", "dur": 600_000},
+        {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_SendRecv", "dur": 500_000},
+        {"ph": "X", "cat": "kernel", "name": "void at::native::elementwise_kernel<add>", "dur": 100_000},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD (Device -> Device)", "dur": 50_000},
+        {"ph": "i", "cat": "kernel", "name": "instant", "dur": 10_000_000},
+    ]
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps({"traceEvents": ev}))
+    c = b.categorize_trace(trace, wall_s=2.0)
+    assert (c["GEMM"], c["all-to-all/NCCL"], c["other"]) == (0.9, 0.5, 0.15), c
+    assert c["busy"] == 1.55 and c["idle"] == 0.45 and c["top_kernels"][0] == ["nvjet_sm90_tst_256x144", 0.9], c
+    twin = [dict(e, cat="kernel") if e["cat"] == "cpu_op" else e for e in ev]
+    trace.write_text(json.dumps({"traceEvents": twin}))
+    assert b.categorize_trace(trace, wall_s=2.0)["busy"] > 2.0

@@ -4,7 +4,9 @@ collected. ``tests/assets/ci-checks.txt`` lists the node ids of ``tests/unit`` a
 ``planted``; 4 renamed on purpose since, docs/ci.md); a test that disappears from collection (deleted, renamed, or its file no longer imports) fails here,
 named. New tests are welcome and need no entry. A deliberate rename or removal updates the manifest in the same
 change (``python tests/unit/test_ci_manifest.py --write`` rewrites it from the current collection; the diff shows
-what went). ``make test`` runs the ``not slow`` and the ``slow`` tests, so what is collected is what CI runs.
+what went). ``make test`` runs selections (``-m "not slow"`` and ``-m "slow and not e2e"`` under xdist, then
+``-m e2e``) that together take every test exactly once (test_make_test_runs_every_test_once), so what is collected
+is what CI runs.
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ REPO = Path(__file__).resolve().parents[2]
 MANIFEST = REPO / "tests" / "assets" / "ci-checks.txt"
 TWIN = re.compile(r"fault|twin|planted", re.IGNORECASE)
 HEADER = """\
-# The checks CI runs: every test node id of tests/unit (`make test` runs them all: `-m "not slow"` under xdist,
-# then `-m slow`). tests/unit/test_ci_manifest.py fails when one of these is no longer collected. New tests need
+# The checks CI runs: every test node id of tests/unit (`make test` runs them all: `-m "not slow"`, then
+# `-m "slow and not e2e"` under xdist, then `-m e2e`). tests/unit/test_ci_manifest.py fails when one of these is no longer collected. New tests need
 # no entry; a deliberate rename/removal rewrites this file: python tests/unit/test_ci_manifest.py --write
 """
 
@@ -50,6 +52,42 @@ def test_every_manifest_check_is_still_collected():
                       f"({len(twins)} planted-fault twins among them): {gone[:40]}\n--- pytest --collect-only:\n"
                       f"{out[-3000:]}")
     assert sum(bool(TWIN.search(i)) for i in now) >= sum(bool(TWIN.search(i)) for i in listed)
+
+
+def make_test_selections() -> list[str]:
+    """The ``-m`` expressions of the pytest commands that ``make test`` runs (from ``make -n``: printed, not run;
+    an out-of-date setup's commands are printed too, and have no pytest ``-m``)."""
+    r = subprocess.run(["make", "-n", "-s", "test"], cwd=REPO, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    found = [re.findall(r' -m (?:"([^"]+)"|(\w+))', line.replace("-m pytest", ""))
+             for line in r.stdout.splitlines() if "-m pytest" in line]
+    return [quoted or bare for per_line in found for quoted, bare in per_line]
+
+
+def once_each(selections: list[str], markers: tuple[str, ...] = ("slow", "e2e")) -> list[str]:
+    """Marker combinations (e2e implies slow, tests/conftest.py) that the selections take never or twice."""
+    from _pytest.mark.expression import Expression
+
+    combos = [set(), {"slow"}, {"slow", "e2e"}] + [{m} for m in markers if m not in ("slow", "e2e")]
+    bad = []
+    for marks in combos:
+        n = sum(bool(Expression.compile(e).evaluate(lambda name, _m=marks, **kw: name in _m)) for e in selections)
+        if n != 1:
+            bad.append(f"{sorted(marks) or 'unmarked'}: selected {n} times by {selections}")
+    return bad
+
+
+def test_make_test_runs_every_test_once():
+    sel = make_test_selections()
+    assert len(sel) >= 2, sel
+    assert once_each(sel) == [], sel
+
+
+def test_twin_selections_that_drop_or_repeat_tests_are_named():
+    assert once_each(["not slow", "e2e"]) == ["['slow']: selected 0 times by ['not slow', 'e2e']"]
+    assert once_each(["not e2e", "slow"]) == ["['slow']: selected 2 times by ['not e2e', 'slow']"]
+    assert once_each(["not e2e", "e2e"]) == [] and once_each(["not slow", "slow and not e2e", "e2e"]) == []
 
 
 def test_twin_a_dropped_check_is_named():

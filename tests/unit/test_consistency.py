@@ -225,7 +225,7 @@ def _replay_check(tmp_path, layout, *extra):
 
     out = tmp_path / "replay.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            "-m", "dsv3_rl.consistency.replay_check", "--layout", layout, "--json", str(out), *extra],
                           capture_output=True, text=True, timeout=600, env=env)
     return proc, (json.loads(out.read_text()) if out.is_file() else None)

@@ -227,3 +227,20 @@ def test_first_error_names_what_killed_the_worker():
            "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n  error_file: <N/A>\n")
     assert first_error(out).endswith("RuntimeError: cuDNN version incompatibility: 9.19 vs 9.14")
     assert first_error("only a line\n") == "only a line"
+
+
+def test_workers_do_not_inherit_what_megatron_wrote(monkeypatch):
+    """NVTE_* values megatron's auto attention mode wrote into this process (a model built here) are not passed to
+    the workers as if the user had set them (on 4 GPUs the MLA guard then refused fp32 on TE); a value the user set
+    still goes through. Twin: without the filter the inherited NVTE_FUSED_ATTN=1 reaches the worker."""
+    from dsv3_rl.correctness import runner
+    from dsv3_rl.mcore import mla_attention_guard as guard
+
+    monkeypatch.setitem(guard.MCORE_SET_ENV, "NVTE_FUSED_ATTN", "1")
+    monkeypatch.setitem(guard.MCORE_SET_ENV, "NVTE_FLASH_ATTN", "1")
+    monkeypatch.setenv("NVTE_FUSED_ATTN", "1")  # megatron's
+    monkeypatch.setenv("NVTE_FLASH_ATTN", "0")  # the user's (differs from what megatron wrote)
+    env = runner._worker_env(None, 2)
+    assert "NVTE_FUSED_ATTN" not in env and env["NVTE_FLASH_ATTN"] == "0", {k: v for k, v in env.items() if "NVTE" in k}
+    monkeypatch.setattr(guard, "MCORE_SET_ENV", {})  # twin: nothing recorded -> everything inherited
+    assert runner._worker_env(None, 2)["NVTE_FUSED_ATTN"] == "1"

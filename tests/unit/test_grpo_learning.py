@@ -14,15 +14,17 @@ too close to the gate.
   first and sets DSV3_DEMO_DIR) the demo's run serves instead: the same preset continued to 12 steps, checked on
   its first 6 steps;
 * flip_advantage_sign / stale_rollout_weights: verl patch 0018's switches (DSV3_PLANT_FAULT), set in the
-  launcher's environment and inherited by every Ray worker. Stale weights keep the demo's 12 steps (see
-  FULL_LENGTH_FAULTS: the consistency check needs the drift);
+  launcher's environment and inherited by every Ray worker. Stale weights run STALE_STEPS = 8 steps (the
+  consistency check needs the trainer to drift from vLLM's weights). The flip run is at pipeline parallel 2
+  and also serves the R3-at-PP2 test (`flip_pp2_run`: one launch for two twins, each on its own check);
 * constant reward: tests/assets/grpo/constant_reward.py in place of our math reward (a launcher override);
-* resume: the same 6-step run interrupted (SIGTERM to the launcher) once its step-4 checkpoint is complete, run
-  again, compared with the sound run. The CPU path is not deterministic (two uninterrupted
+* resume: the runs of tests/unit/grpo_fault_chain.py (the short preset's training, shared with test_launch_faults.py):
+  one resumed from step 4 and interrupted (SIGTERM to the launcher) once its step-6 checkpoint is complete, then
+  run again; its steps 5-6 compared with the sound run's. The CPU path is not deterministic (two uninterrupted
   runs differ from step 1: vLLM's sampling is not seeded per request), so the comparison is statistical:
   see RESUME_TOL.
-* R3 at PP2: 2 steps without validation (replay before and after a weight update is the point).
-The runs share one WORK_DIR (converted model, prepared data); each has its own CKPT_DIR and LOG_DIR.
+* R3 at PP2: the flip run's 6 steps (replay on the initial weights and after every update and weight sync).
+The runs of this module share one WORK_DIR (converted model, prepared data); each has its own CKPT_DIR and LOG_DIR.
 """
 
 from __future__ import annotations
@@ -32,10 +34,10 @@ import json
 import os
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
+from grpo_fault_chain import FALLBACK, K  # the resumed run's start, the interrupted run's last checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 LAUNCHER = REPO / "examples" / "deepseek_v3" / "run_mcore_deepseek_verl.sh"
@@ -126,26 +128,50 @@ def test_sound_short_run_passes(sound_run, short_preset):
     assert gate.ok, f"{sound_run.source}: {gate.detail}"
 
 
-#: stale rollout weights run the demo's full 12 steps: the learning gate sees it at any length, but the consistency
-#: check (which must see it too) only once the trainer has drifted from vLLM's initial weights: pearson of the
-#: token probabilities 0.994 at step 1, 0.975 at step 4, 0.961-0.965 at steps 5-6 (limit 0.97: too close to call),
-#: 0.931 at step 12 (measured 2026-11-26)
-FULL_LENGTH_FAULTS = ("stale_rollout_weights",)
+#: stale rollout weights run 8 steps: the learning gate sees it at any length, but the consistency check (which must
+#: see it too) only once the trainer has drifted from vLLM's initial weights. Pearson of the token probabilities
+#: (limit 0.97) in the 12-step run of 2026-11-26: 0.994 0.993 0.983 0.975 | 0.961 0.965 0.959 0.957 | 0.949 0.944
+#: 0.940 0.931 (steps 1-4 | 5-8 | 9-12), mean |p_vllm - p_megatron| (limit 0.03) 0.0311 0.0271 0.0306 0.0312 at
+#: steps 5-8; sound runs stay >= 0.981 and <= 0.017. At 8 steps four steps are below the limit (worst 0.957); at 6
+#: only two (0.961, 0.965), too few to rely on. Steps 1-8 of a run of this constant-LR preset are an 8-step run.
+STALE_STEPS = 8
+
+#: flip_advantage_sign runs at pipeline parallel 2 (tp1 pp2 ep1; the demo is TP2 x EP2) so that the same launch is
+#: the R3-at-PP2 run (`test_r3_router_replay_at_pp2`): a flipped advantage still updates the weights and syncs them
+#: to vLLM every step, so vLLM's routes are replayed on the initial weights and after each update. The checks keep
+#: the two apart: the flip fails the learning gate only (the test asserts that consistency passes), R3 is its own
+#: check (the R3 test asserts it passes, routes agree on every step). A flipped advantage loses reward at any layout
+#: (6 steps, measured 2026-11-26: gain -0.036 to -0.055 at TP2 x EP2, -0.023 at PP2 with validation 0.042 -> 0.000,
+#: routes agree 0.951-0.961 at all 6 steps); the gate needs +0.15.
+PP2_LAYOUT = "layout: {tp: 1, pp: 2, ep: 1, etp: 1, sp: false}\n"
+
+
+@pytest.fixture(scope="module")
+def flip_pp2_run(work, short_preset) -> tuple[str, subprocess.CompletedProcess]:
+    """The short preset at PP2 with the advantage sign flipped, once per module: (preset name, the launch)."""
+    p = work / "tiny_cpu_short_pp2.yaml"
+    p.write_text(f"extends: {short_preset}\n{PP2_LAYOUT}")
+    return p.stem, _launch(work, "flip_advantage_sign", preset=str(p), DSV3_PLANT_FAULT="flip_advantage_sign")
 
 
 @pytest.mark.parametrize("fault", ["flip_advantage_sign", "stale_rollout_weights", "constant_reward"])
-def test_planted_fault_fails_the_run(work, short_preset, fault):
-    """The demo's own preset (cut to SHORT_STEPS, but for FULL_LENGTH_FAULTS) with one fault planted: the run must
-    FAIL, on the check that exists for it."""
-    preset = "tiny_cpu" if fault in FULL_LENGTH_FAULTS else str(short_preset)
-    if fault == "constant_reward":
-        r = _launch(work, fault, f"reward.custom_reward_function.path={REPO / 'tests/assets/grpo/constant_reward.py'}",
-                    preset=preset)
+def test_planted_fault_fails_the_run(work, short_preset, fault, request):
+    """The demo's own preset (cut to SHORT_STEPS; STALE_STEPS for stale weights; at PP2 for the flip, see
+    PP2_LAYOUT) with one fault planted: the run must FAIL, on the check that exists for it."""
+    if fault == "flip_advantage_sign":
+        name, r = request.getfixturevalue("flip_pp2_run")
+    elif fault == "constant_reward":
+        name, r = short_preset.stem, _launch(
+            work, fault, f"reward.custom_reward_function.path={REPO / 'tests/assets/grpo/constant_reward.py'}",
+            preset=str(short_preset))
     else:
-        r = _launch(work, fault, preset=preset, DSV3_PLANT_FAULT=fault)
+        p = work / "tiny_cpu_stale.yaml"
+        p.write_text(f"extends: {REPO / 'examples/deepseek_v3/presets/tiny_cpu.yaml'}\n"
+                     f"verl: {{trainer: {{total_training_steps: {STALE_STEPS}}}}}\n")
+        name, r = p.stem, _launch(work, fault, preset=str(p), DSV3_PLANT_FAULT=fault)
     out = r.stdout + r.stderr
     assert r.returncode == 1, out[-4000:]
-    assert f"GRPO {Path(preset).stem} FAILED" in out, out[-4000:]
+    assert f"GRPO {name} FAILED" in out, out[-4000:]
     checks = _report(work, fault)
     assert checks["learning"] is False, checks
     assert checks["steps"] and checks["finite rewards and log-probs"], checks  # the run itself completed
@@ -153,92 +179,58 @@ def test_planted_fault_fails_the_run(work, short_preset, fault):
     assert checks["rollout == trainer every step"] is (fault != "stale_rollout_weights"), checks
 
 
-def _resume_preset(tmp_path: Path, short_preset: Path) -> Path:
-    """The short preset, learning not gated: a resumed attempt may leave its checkpoint step unlogged (5 of 6
-    rewards), and the gate needs 6; training is the same as the sound run's."""
-    p = tmp_path / "tiny_cpu_resume.yaml"
-    p.write_text(f"extends: {short_preset}\n"
-                 "checks: {learning: {reason_off: 'resume test: the resumed attempt may not log step 4'}}\n")
-    return p
-
-
-def test_interrupted_run_resumes_and_matches_an_uninterrupted_one(work, tmp_path, short_preset, sound_run):
-    """SIGTERM to the launcher after the step-4 checkpoint: it stops the run (no Ray process left), says how to
-    resume, leaves no checkpoint past step 4 that looks complete; the same command resumes from step 4 and its
-    steps 5-6 match an uninterrupted run's (the sound run; see docs/grpo-demo.md#resume for what is compared,
-    measured)."""
+def test_interrupted_run_resumes_and_matches_an_uninterrupted_one(fault_chain, sound_run):
+    """SIGTERM to the launcher after a step-K checkpoint: it stops the run (no Ray process left), says how to
+    resume, leaves no checkpoint past step K that looks complete; the same command resumes from step K and passes.
+    A resumed run's steps match an uninterrupted run's: steps 5-6 after the resume from step 4 vs the sound run's
+    (see docs/grpo-demo.md#resume for what is compared, measured). The runs are the fault chain's
+    (tests/unit/grpo_fault_chain.py: the short preset's training with ``run.max_restarts: 2``; its invocation 2
+    resumes from step 4, its step-6 checkpoint having been damaged, and is the one interrupted after step K = 6;
+    test_launch_faults.py asserts the rest), so that one chain of launches serves both tests (issue 28)."""
     from dsv3_rl.grpo import checks
 
-    preset = str(_resume_preset(tmp_path, short_preset))
+    c = fault_chain
     if sound_run.proc is not None:
         assert sound_run.proc.returncode == 0, (sound_run.proc.stdout + sound_run.proc.stderr)[-4000:]
+    assert c.second_rc == 128 + signal.SIGTERM, c.second[-4000:]
+    assert "interrupted: run the same command again to resume from" in c.second and f"global_step_{K}" in c.second, c.second[-3000:]
+    assert not c.leftover, f"processes of the interrupted run still alive (run markers {c.leftover})"
+    assert max(c.saved_after_sigterm) == K, c.saved_after_sigterm  # nothing past the last complete checkpoint
 
-    from dsv3_rl.launch.monitor import run_ids
-
-    before = run_ids()  # runs of someone else on this machine, not ours to judge
-    env = _env(work, "resume")
-    proc = subprocess.Popen(["bash", str(LAUNCHER), "--preset", preset, "--quiet"], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    tracker = work / "resume" / "ckpt" / "latest_checkpointed_iteration.txt"
-    t0 = time.time()
-    while not (tracker.is_file() and tracker.read_text().strip() == str(K)):
-        assert proc.poll() is None, f"run ended before its step-{K} checkpoint: {proc.stdout.read()[-4000:]}"
-        assert time.time() - t0 < 1200, f"no step-{K} checkpoint after 20 minutes"
-        time.sleep(1)
-    proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 128 + signal.SIGTERM, out[-4000:]
-    assert "interrupted: run the same command again to resume from" in out and f"global_step_{K}" in out, out[-3000:]
-    leftover = run_ids() - before
-    assert not leftover, f"processes of the interrupted run still alive (run markers {leftover})"
-    saved = sorted(int(p.name.split("_")[-1]) for p in (work / "resume" / "ckpt").glob("global_step_*"))
-    assert max(saved) == K, saved  # nothing past the last complete checkpoint
-
-    again = subprocess.run(["bash", str(LAUNCHER), "--preset", preset, "--quiet"], cwd=REPO, env=env,
-                           capture_output=True, text=True, timeout=1800)
-    out = again.stdout + again.stderr
-    assert again.returncode == 0, out[-4000:]
+    out = c.third.stdout + c.third.stderr
+    assert c.third.returncode == 0, out[-4000:]
     assert "resuming from" in out and f"global_step_{K}" in out, out[-3000:]
+    report = json.loads((c.logs / "report.json").read_text())
+    assert report["ok"] and report["run"]["resumed_from"] == K, report
 
     reward = lambda run, steps: sum(run[k]["critic/score/mean"] for k in steps) / len(steps)  # noqa: E731
     a = {s["step"]: s for s in checks.training_steps(checks.read_run_metrics(sound_run.logs / "metrics.jsonl"))}
-    b = {s["step"]: s for s in checks.training_steps(checks.read_run_metrics(work / "resume" / "logs" / "metrics.jsonl"))}
-    after = tuple(range(K + 1, 7))
-    assert set(after) <= set(b) and set(b) >= set(range(1, K)), sorted(b)  # step K: checkpointed, maybe not logged
+    b = {s["step"]: s for s in checks.training_steps(checks.read_run_metrics(c.logs / "metrics.jsonl"))}
+    after = tuple(range(FALLBACK + 1, SHORT_STEPS + 1))  # trained after the resume from FALLBACK
+    assert set(after) <= set(b), sorted(b)
     resumed, uninterrupted, restart = reward(b, after), reward(a, after), reward(a, (1, 2))
     assert abs(resumed - uninterrupted) <= RESUME_TOL, (resumed, uninterrupted)
     # twin: a run that ignored the checkpoint and started over would score like steps 1-2, which the
     # tolerance above must tell apart from the resumed run (else this test could not see a broken resume)
     assert abs(uninterrupted - restart) > 2 * RESUME_TOL, (uninterrupted, restart)
     assert abs(resumed - restart) > RESUME_TOL, (resumed, restart)
-    report = json.loads((work / "resume" / "logs" / "report.json").read_text())
-    assert report["ok"] and report["run"]["resumed_from"] == K, report
 
 
-K = 4  #: the checkpoint step the interrupted run resumes from
-#: |mean reward of steps K+1..6, resumed - uninterrupted|: 128 samples a step give a binomial sd of ~0.04 per
+#: |mean reward of steps 5-6, resumed - uninterrupted|: 128 samples a step give a binomial sd of ~0.04 per
 #: step, and two uninterrupted runs already differ (measured 2026-11-24: steps 1-4 differ by up to 0.05)
 RESUME_TOL = 0.15
 
 
 
-PP2_STEPS = 2  #: step 1 replays on the initial weights, step 2 after an update and a weight sync to vLLM
-
-
-def test_r3_router_replay_at_pp2(work, tmp_path):
+def test_r3_router_replay_at_pp2(work, flip_pp2_run):
     """R3 through verl's keys at pipeline parallel 2 (the demo itself runs TP2 x EP2): vLLM's routes reach both
     stages and every step replays them (the run's check "router replay (R3)": routes in the batch, and the
     trainer's own router agrees with >= 90% of them, 0.95-0.96 measured; a misaligned replay agrees with ~1/6).
-    Two steps, no validation: replay on the initial weights and after one update is the point, learning is not."""
-    p = tmp_path / "tiny_cpu_pp2.yaml"
-    p.write_text(f"extends: {REPO / 'examples/deepseek_v3/presets/tiny_cpu.yaml'}\n"
-                 "layout: {tp: 1, pp: 2, ep: 1, etp: 1, sp: false}\n"
-                 f"checks: {{learning: {{reason_off: 'PP2 replay test: {PP2_STEPS} steps'}}}}\n"
-                 f"verl: {{trainer: {{total_training_steps: {PP2_STEPS}, save_freq: {PP2_STEPS}, "
-                 "val_before_train: false, test_freq: -1}}\n")
-    r = _launch(work, "pp2", preset=str(p))
+    The run is the flip run (`flip_pp2_run`, PP2_LAYOUT): replay on the initial weights and after each of its
+    updates and weight syncs is the point; its learning gate fails by design and is that test's concern."""
+    _, r = flip_pp2_run
     out = r.stdout + r.stderr
-    assert r.returncode == 0, out[-4000:]
-    checks = _report(work, "pp2")
+    assert r.returncode in (0, 1), out[-4000:]  # the run completed and its checks ran (1: a check failed)
+    checks = _report(work, "flip_advantage_sign")
     assert checks["router replay (R3)"], checks
-    assert out.count("routes agree 0.") == PP2_STEPS, out[-3000:]
+    assert out.count("routes agree 0.") == SHORT_STEPS, out[-3000:]

