@@ -362,9 +362,10 @@ def _checks(launch, metrics: Path, total: int, run_info: dict | None = None):
 
 def _plot_title(launch) -> str:
     """The reward plot's title: the preset's algorithm, and its trainer mode when not sync."""
-    p = launch.preset
-    mode = "" if p.trainer_mode == "sync" else f" ({p.trainer_mode.replace('_', '-')})"
-    return f"{p.algorithm.upper()}{mode} reward per step"
+    p = launch.preset  # (a stand-in preset without the keys: the Preset defaults, sync GRPO)
+    algorithm, trainer_mode = getattr(p, "algorithm", "grpo"), getattr(p, "trainer_mode", "sync")
+    mode = "" if trainer_mode == "sync" else f" ({trainer_mode.replace('_', '-')})"
+    return f"{algorithm.upper()}{mode} reward per step"
 
 
 def _dense_layers(paths) -> int:
