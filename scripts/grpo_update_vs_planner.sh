@@ -3,8 +3,8 @@
 # 3 best layouts for the proxy_4xH100 model and the one it rejects as out of memory, on 2 GPUs its 2 best for the
 # same model with 2 layers (both 2-GPU runs at once, on GPUs 0-1 and 2-3). Every result is a JSON under $OUT
 # (bench_<tag>.json; an out-of-memory run gets a {"status": "oom", "config": ...} stub), every log $OUT/<tag>.log.
-# The predictions were registered before the run in docs/results/2026-11-26-grpo-update/predicted.json; the last
-# step compares (dsv3-plan validate). Planner's estimate of the whole script on 4 x H100: ~5.5 min (docs/planner.md).
+# The predictions are registered before the run in docs/results/2026-11-26-grpo-update/ (below: which file); the
+# last step compares (dsv3-plan validate). Measured on 4 x H100 (2026-11-26): ~5 min for every row.
 #
 #   OUT=/tmp/out bash scripts/grpo_update_vs_planner.sh          # all rows
 #   ROWS="best1 oom" bash scripts/grpo_update_vs_planner.sh      # some of them
@@ -13,12 +13,11 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-out/grpo-update}
 mkdir -p "$OUT"
 source scripts/gpu_env.sh  # carried wheels, backends/ check, PYTHONPATH, NVLink multicast off
-# The rows (tag, layout, model overrides, GPUs) are the planner's, registered before the run: predicted.json for
-# H100 (80 GB), predicted-h200.json for H200 (141 GB: 6 layers, so that the best layouts fill it and the rejected
-# one really overflows); PRED=... picks a file by hand.
+# The rows (tag, layout, model overrides, GPUs) are the planner's, registered before the run: predicted-v2.json for
+# H100 (80 GB), predicted-h200-v2.json for H200 (141 GB: 6 layers, so that the best layouts fill it and the rejected
+# one really overflows), both from the planner as fixed after the first H100 measurement (docs/planner.md);
+# predicted.json / predicted-h200.json stay as what was predicted before it. PRED=... picks a file by hand.
 MEM_MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -n 1)
-# The -v2 files are the fixed planner's predictions (after the first H100 measurement, docs/planner.md), registered
-# before any run they are compared with; predicted.json / predicted-h200.json stay as what was predicted first.
 if [ -z "${PRED:-}" ]; then
   PRED=docs/results/2026-11-26-grpo-update/predicted-v2.json
   [ "${MEM_MIB:-0}" -gt 100000 ] && PRED=docs/results/2026-11-26-grpo-update/predicted-h200-v2.json
