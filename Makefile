@@ -13,7 +13,7 @@ export PYTHONUNBUFFERED := 1
 help:
 	@echo "make setup          .venv + torch + patched backends (editable) + deps + this package"
 	@echo "make demo           GRPO that learns: the launcher's tiny_cpu preset (warm-started tiny DeepSeek-V3, CPU ok)"
-	@echo "make test           CPU test suite (the README's test command): test-fast, then test-slow"
+	@echo "make test           CPU test suite (the README's test command): all but the GRPO runs on both cores, then those"
 	@echo "make test-fast      the tests not marked slow, on both cores (pytest-xdist); the developer loop"
 	@echo "make test-slow      the slow tests: non-e2e on both cores, then the e2e GRPO runs one at a time"
 	@echo "make test-backends  verl's own *_on_cpu tests against the patched tree"
@@ -62,21 +62,21 @@ lint-patches:
 	$(PATCH_PY) lint
 	$(PATCH_PY) table --check
 
-# The CPU suite (docs: README "Tests", CONTRIBUTING.md "Markers", docs/ci.md). `make test` = test-fast, then
-# test-slow: the fast tests on both cores (pytest-xdist, one file per worker: a file's module fixtures are built
-# once), then the `slow` ones that are not GRPO runs (> ~30 s: torchrun layouts, model builds) on both cores too,
-# in workers of their own, then the `e2e` GRPO runs (Ray + vLLM + Megatron, a dozen processes each, kill/restart
-# timing) one at a time. Every phase runs also when an earlier one failed; `make test` fails when any did; each
-# lists its 15 slowest tests.
+# The CPU suite (docs: README "Tests", CONTRIBUTING.md "Markers", docs/ci.md). `make test`: every test but the
+# GRPO runs in one session on both cores (pytest-xdist, one file per worker: a file's module fixtures are built
+# once; the fast files fill the cores while a torchrun test waits), then the `e2e` GRPO runs (Ray + vLLM +
+# Megatron, a dozen processes each, kill/restart timing) one at a time. Both phases run also when the first
+# failed; `make test` fails when either did; each lists its 15 slowest tests. `make test-fast` (the developer
+# loop) and `make test-slow` split the same tests by the `slow` marker.
 PYTEST := $(PY) -m pytest tests/unit -q --durations=15
 XDIST  ?= -n 2 --dist loadfile
+E2E     = echo "[test] e2e GRPO runs (-m e2e, one at a time)"; $(PYTEST) -m e2e || rc=$$(( rc ? rc : $$? ))
 SLOW    = echo "[test] slow tests but the e2e runs (-m 'slow and not e2e', $(XDIST))"; \
-	$(PYTEST) -m "slow and not e2e" $(XDIST) || rc=$$(( rc ? rc : $$? )); \
-	echo "[test] e2e GRPO runs (-m e2e, one at a time)"; $(PYTEST) -m e2e || rc=$$(( rc ? rc : $$? ))
+	$(PYTEST) -m "slow and not e2e" $(XDIST) || rc=$$(( rc ? rc : $$? )); $(E2E)
 test: $(STAMP)
 	@rc=0; \
-	echo "[test] fast tests (-m 'not slow', $(XDIST))"; $(PYTEST) -m "not slow" $(XDIST) || rc=$$?; \
-	$(SLOW); \
+	echo "[test] every test but the GRPO runs (-m 'not e2e', $(XDIST))"; $(PYTEST) -m "not e2e" $(XDIST) || rc=$$?; \
+	$(E2E); \
 	exit $$rc
 
 test-fast: $(STAMP)

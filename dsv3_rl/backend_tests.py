@@ -3,17 +3,27 @@
     python -m dsv3_rl.backend_tests verl                 # patched tree vs recorded baseline
     python -m dsv3_rl.backend_tests verl --record        # record the baseline from pristine sources
 
-verl's sdist ships ``tests/``; its ``*_on_cpu.py`` files are the CPU suite. Each file runs in its
-own pytest process from the backend's root (several start Ray, which cannot be re-initialised in
-one process). The baseline (tests/assets/backend-tests/<name>-<version>.txt) lists the test ids
-that pass on the *pristine* sdist; every one of them must pass on the patched tree. Tests that
-fail on pristine too (repo-relative data paths, no GPU) are reported but do not fail the run.
+verl's sdist ships ``tests/``; its ``*_on_cpu.py`` files are the CPU suite, run from the backend's
+root. A file that starts Ray (``needs_ray``, read from its source) runs in a pytest process of its
+own, followed by ``ray stop --force`` (Ray cannot be re-initialised in one process, and a dying
+file leaves daemons behind). All the other files run in ONE pytest process on two pytest-xdist
+workers (``--dist loadfile``): most of their time is verl's import, paid once per worker instead of
+once per file. That group runs with a private ``RAY_TMPDIR``; a Ray session found there afterwards
+(a file that started Ray although its source did not say so) fails the run. Files listed in
+``RUN_ALONE`` get a process of their own although they start no Ray.
+
+The baseline (tests/assets/backend-tests/<name>-<version>.txt) lists the test ids that pass on the
+*pristine* sdist, recorded by the same runner; every one of them must pass on the patched tree.
+Tests that fail on pristine too (repo-relative data paths, no GPU) are reported but do not fail
+the run.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -27,7 +37,17 @@ from dsv3_rl.fs import write_text_atomic
 
 PATTERN = "*_on_cpu.py"
 BASELINE_DIR = REPO_ROOT / "tests" / "assets" / "backend-tests"
-PER_FILE_TIMEOUT_S = 600
+PER_FILE_TIMEOUT_S = 600  # also the limit of the one process that runs the files without Ray
+
+# Files that start no Ray but must not run beside the others (the shared process runs two files at a
+# time, in one working directory): path -> why. test_protocol*_on_cpu.py's test_torch_save_data_proto both
+# write and remove ./test_data.pt: side by side, one removed the other's file (a pristine run, 2026-11-26).
+RUN_ALONE: dict[str, str] = {
+    "tests/test_protocol_v2_on_cpu.py": "shares ./test_data.pt with tests/test_protocol_on_cpu.py",
+}
+XDIST_WORKERS = 2
+# a test's or fixture's parameter naming a Ray fixture: ray_init_shutdown, ray_start_regular, init_ray...
+_RAY_FIXTURE = re.compile(r"(^|_)ray($|_)")
 
 
 def _passed_ids(junit: Path) -> tuple[set[str], set[str]]:
@@ -42,6 +62,91 @@ def _passed_ids(junit: Path) -> tuple[set[str], set[str]]:
     return passed, failed
 
 
+def _is_ray_module(name: str) -> bool:
+    return any(name == m or name.startswith(m + ".") for m in ("ray", "verl.single_controller.ray"))
+
+
+def needs_ray(source: str) -> str | None:
+    """Why a test file starts Ray (it imports Ray or verl's Ray controller, calls ``ray.init``, or
+    takes a Ray fixture), or None. Read from the source, not from a list of today's file names."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError as e:  # pytest reports it; alone, it cannot take the other files down with it
+        return f"does not parse: {e.msg}, line {e.lineno}"
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if _is_ray_module(alias.name):
+                    return f"imports {alias.name}"
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            for name in (node.module, *(f"{node.module}.{a.name}" for a in node.names)):
+                if _is_ray_module(name):
+                    return f"imports {name}"
+        elif isinstance(node, ast.Attribute) and node.attr == "init" and isinstance(node.value, ast.Name) \
+                and node.value.id == "ray":
+            return "calls ray.init"
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for arg in node.args.posonlyargs + node.args.args + node.args.kwonlyargs:
+                if _RAY_FIXTURE.search(arg.arg):
+                    return f"{node.name}() takes the fixture {arg.arg}"
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "usefixtures":
+            for a in node.args:
+                if isinstance(a, ast.Constant) and isinstance(a.value, str) and _RAY_FIXTURE.search(a.value):
+                    return f"uses the fixture {a.value}"
+    return None
+
+
+def split_files(src: Path, files: list[Path]) -> tuple[list[Path], list[tuple[Path, str, bool]]]:
+    """(files that run together, [(file, why it runs alone, whether it starts Ray)]), in the given order."""
+    together, alone = [], []
+    for f in files:
+        ray = needs_ray(f.read_text())
+        why = ray or RUN_ALONE.get(str(f.relative_to(src)))
+        (alone.append((f, why, ray is not None)) if why else together.append(f))
+    return together, alone
+
+
+def _module_of(rel: Path) -> str:
+    return ".".join(rel.with_suffix("").parts)
+
+
+def _count_by_file(ids: set[str], rels: list[Path]) -> dict[Path, int]:
+    """Test ids (``pkg.module.Class::name``: junit's classname; ``::pkg.module`` for a file that could
+    not be collected) counted per test file."""
+    mods = {_module_of(r): r for r in rels}
+    counts = dict.fromkeys(rels, 0)
+    for tid in ids:
+        classname, name = tid.split("::", 1)
+        classname = classname or name
+        for mod, rel in mods.items():
+            if classname == mod or classname.startswith(mod + "."):
+                counts[rel] += 1
+                break
+    return counts
+
+
+def _pytest(src: Path, env: dict, junit: Path, args: list[str], label: str) -> None:
+    # the backend's own root and no config: the patched tree lives inside this repo, whose
+    # pyproject.toml pytest would otherwise adopt (other rootdir -> other test ids, our addopts)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--rootdir={src}",
+                               "-c", os.devnull, f"--junitxml={junit}", *args], cwd=src, env=env,
+                              capture_output=True, text=True, timeout=PER_FILE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        print(f"[backend-tests] {label}: timed out after {PER_FILE_TIMEOUT_S}s", flush=True)
+        return
+    if not junit.exists():  # pytest itself failed (a bad option, a missing plugin): show why
+        tail = (proc.stdout + proc.stderr).strip().splitlines()[-15:]
+        print(f"[backend-tests] {label}: pytest wrote no report (exit {proc.returncode}):", *tail, sep="\n  ",
+              flush=True)
+
+
+def _ray_stop(env: dict) -> None:
+    ray = Path(sys.executable).with_name("ray")  # the venv's, also when its bin/ is not on PATH
+    if ray.exists():
+        subprocess.run([str(ray), "stop", "--force"], capture_output=True, env=env)
+
+
 def run_suite(src: Path, import_root: Path | None, jobs_out: Path) -> tuple[set[str], set[str]]:
     """Run every *_on_cpu.py under src/tests; import the backend from import_root (PYTHONPATH) or
     from the installed (patched, editable) package when None."""
@@ -50,31 +155,48 @@ def run_suite(src: Path, import_root: Path | None, jobs_out: Path) -> tuple[set[
            "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     if import_root is not None:
         env["PYTHONPATH"] = f"{import_root}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    together, alone = split_files(src, files)
     passed, failed = set(), set()
     t0 = time.time()
-    for i, f in enumerate(files, 1):
+    if together:
+        rels = [f.relative_to(src) for f in together]
+        ray_tmp = jobs_out / "r"  # short: Ray's socket paths (at most 107 bytes) live under it
+        ray_tmp.mkdir()
+        junit = jobs_out / "together.xml"
+        label = f"{len(rels)} files without Ray"
+        print(f"[backend-tests] {label}: one pytest process, {XDIST_WORKERS} xdist workers ...", flush=True)
+        _pytest(src, {**env, "RAY_TMPDIR": str(ray_tmp)}, junit,
+                ["-n", str(XDIST_WORKERS), "--dist", "loadfile", "--continue-on-collection-errors",
+                 *map(str, rels)], label)
+        p, fl = _passed_ids(junit)
+        passed |= p
+        failed |= fl
+        n_p, n_f = _count_by_file(p, rels), _count_by_file(fl, rels)
+        for rel in rels:
+            print(f"[backend-tests]   {rel}: {n_p[rel]} passed, {n_f[rel]} failed", flush=True)
+        print(f"[backend-tests] {label}: {len(p)} passed, {len(fl)} failed in {time.time() - t0:.0f}s", flush=True)
+        started = sorted(ray_tmp.glob("ray/session_2*"))
+        if started:
+            _ray_stop(env)
+            raise BackendError(f"a test file run without Ray started a Ray session ({started[0]}); "
+                               f"make dsv3_rl.backend_tests.needs_ray see it, or add the file to RUN_ALONE")
+    for i, (f, why, starts_ray) in enumerate(alone, 1):
         rel = f.relative_to(src)
         t_file = time.time()
         junit = jobs_out / (str(rel).replace("/", "__") + ".xml")
-        try:
-            # the backend's own root and no config: the patched tree lives inside this repo, whose
-            # pyproject.toml pytest would otherwise adopt (other rootdir -> other test ids, our addopts)
-            subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--rootdir={src}",
-                            "-c", os.devnull, f"--junitxml={junit}", str(rel)], cwd=src, env=env, capture_output=True, text=True,
-                           timeout=PER_FILE_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            print(f"[backend-tests] {rel}: timed out after {PER_FILE_TIMEOUT_S}s", flush=True)
+        _pytest(src, env, junit, [str(rel)], str(rel))
         p, fl = _passed_ids(junit)
         passed |= p
         failed |= fl
         # this file's own time; the whole suite's is printed once, after the loop
-        print(f"[backend-tests] {i}/{len(files)} {rel}: {len(p)} passed, {len(fl)} failed "
+        print(f"[backend-tests] {i}/{len(alone)} alone ({why}) {rel}: {len(p)} passed, {len(fl)} failed "
               f"in {time.time() - t_file:.0f}s", flush=True)
         # Ray leaves daemons behind when a test file dies; never let one leak into the next file.
-        ray = Path(sys.executable).with_name("ray")  # the venv's, also when its bin/ is not on PATH
-        if ray.exists():
-            subprocess.run([str(ray), "stop", "--force"], capture_output=True, env=env)
-    print(f"[backend-tests] {len(files)} files in {time.time() - t0:.0f}s (with `ray stop` after each)", flush=True)
+        if starts_ray:
+            _ray_stop(env)
+    n_ray = sum(starts_ray for *_, starts_ray in alone)
+    print(f"[backend-tests] {len(files)} files in {time.time() - t0:.0f}s ({len(together)} in one xdist session, "
+          f"{len(alone)} alone: {n_ray} with Ray and `ray stop` after each)", flush=True)
     return passed, failed
 
 
@@ -98,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
                                      capture_output=True, check=True)
             subprocess.run(["tar", "-x", "-C", str(pristine)], input=archive.stdout, check=True)
             passed, failed = run_suite(pristine, pristine, td)
-            write_text_atomic(baseline_file, f"# tests of {backend.sdist} (*_on_cpu.py, one process per file) passing "
+            write_text_atomic(baseline_file, f"# tests of {backend.sdist} (*_on_cpu.py, dsv3_rl.backend_tests' runner) passing "
                                              f"on the pristine sdist\n" + "".join(f"{t}\n" for t in sorted(passed)))
             print(f"[backend-tests] recorded {len(passed)} passing ({len(failed)} failing) on pristine "
                   f"{backend.dirname} -> {baseline_file.relative_to(REPO_ROOT)}")

@@ -13,7 +13,7 @@
 #   bash scripts/gpu_session.sh four-gpu     # 4 GPUs: every 4-process layout + a planted fault at each, both specs;
 #                                            #   router replay at EP4, PP2xEP2 (+ EP2, TP2xEP2, PP2), shifted must fail
 #   bash scripts/gpu_session.sh te-two       # 2 GPUs, TE spec: every 2-process layout fp32 (+ faults, patch-0001 twin) and bf16
-#   bash scripts/gpu_session.sh te           # 4 GPUs, TE: cuDNN check, MLA attention probe, TE vs local vs transformers bench
+#   bash scripts/gpu_session.sh te           # 4 GPUs (2: one after the other), TE: cuDNN check, MLA attention probe, TE vs local vs transformers bench
 #   bash scripts/gpu_session.sh refit        # 1 GPU: refit export bench (BF16, checksum manifest, FP8 + quantize kernel)
 #   bash scripts/gpu_session.sh replay       # 1 GPU: router replay record/replay check on the proxy model (+ shifted fault)
 #
@@ -175,8 +175,8 @@ case "${1:-}" in
           --plant-fault mla-down-proj-patch-reverted --json $OUT/gpu2_0001_reverted_te.json; echo rc=\$?"
       fi
     }
-    lane fp32 corr2_fp32
-    lane bf16 corr2_bf16
+    # TE_TWO_DTYPES="fp32" (or "bf16") runs one of the two lanes only
+    for D in ${TE_TWO_DTYPES:-fp32 bf16}; do lane "$D" "corr2_$D"; done
     lanes_wait
     ;;
   replay)
@@ -214,10 +214,20 @@ case "${1:-}" in
         bench/bench_train_step.py --engines mcore --spec te,local --layout tp=2,etp=1 --layout ep=2,etp=1 \
         --json "$OUT/bench-2gpu-te-local.json"
     }
-    lane te-checks te_checks
-    lane te-bench1 te_bench1
-    lane te-bench2 te_bench2
-    lanes_wait
+    if [ "$(nvidia-smi -L | wc -l)" -ge 4 ]; then
+      lane te-checks te_checks
+      lane te-bench1 te_bench1
+      lane te-bench2 te_bench2
+      lanes_wait
+    else  # 2 GPUs: the benches one after the other on GPUs 0 and 0,1 (TE_CHECKS=0 skips the probe, measured before)
+      [ "${TE_CHECKS:-1}" = 1 ] && te_checks() { step te_env 60 python -m dsv3_rl.mcore.te_env; step te_mla_attention 280 \
+        python -m dsv3_rl.mcore.te_attention_probe --json "$OUT/te_mla_attention.json"; } && te_checks
+      step bench_1gpu_te_local 280 env CUDA_VISIBLE_DEVICES=0 python bench/bench_train_step.py --spec te,local \
+        --json "$OUT/bench-1gpu-te-local.json"
+      step bench_2gpu_te_local 280 env CUDA_VISIBLE_DEVICES=0,1 torchrun --standalone --nproc-per-node 2 \
+        bench/bench_train_step.py --engines mcore --spec te,local --layout tp=2,etp=1 --layout ep=2,etp=1 \
+        --json "$OUT/bench-2gpu-te-local.json"
+    fi
     for f in te_env te_mla_attention bench_1gpu_te_local bench_2gpu_te_local; do  # each step's one-line result (errors: above)
       grep -h -E "^(Transformer Engine|cuDNN|MLA fused|te_mla_attention:|bench_train_step:)" "$OUT/$f.log" 2>/dev/null \
         | sed "s/^/    [$f] /"

@@ -17,7 +17,6 @@ import torch.distributed as dist
 
 from dsv3_rl.convert.config_map import Parallel, RouterSettings, gpt_model_kwargs, hf_to_mcore_config
 from dsv3_rl.mcore import te_env
-from dsv3_rl.ports import free_port
 
 te_env.pin_torch_cudnn()  # before megatron-core imports Transformer Engine: one cuDNN per process
 
@@ -38,14 +37,12 @@ def init_distributed(parallel: Parallel, seed: int = 1234, timeout_s: int = 600)
         te_env.check_cudnn()  # before any GPU work: a second cuDNN is one error line, not a crash later
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1 and not dist.is_initialized() and "MASTER_PORT" not in os.environ:
-        # A lone process started without a launcher needs no agreed rendezvous: any free port
-        # (under torchrun the agent's MASTER_PORT is kept).
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ["MASTER_PORT"] = str(free_port())
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % max(1, torch.cuda.device_count()))))
-    if not dist.is_initialized():
+    if world == 1 and "MASTER_PORT" not in os.environ:
+        # A lone process started without a launcher (under torchrun the agent's MASTER_PORT is kept)
+        init_single_process_group(timeout_s)
+    elif not dist.is_initialized():
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=timeout_s))
     model_parallel = parallel.tp * parallel.pp * parallel.cp
@@ -57,6 +54,19 @@ def init_distributed(parallel: Parallel, seed: int = 1234, timeout_s: int = 600)
     destroy_model_parallel_groups()
     ps.initialize_model_parallel(**parallel.mcore_sizes())
     model_parallel_cuda_manual_seed(seed)
+
+
+def init_single_process_group(timeout_s: int = 600, backend: str | None = None) -> bool:
+    """A world-size-1 process group on an in-memory store (no port, nothing written to ``os.environ``); False when
+    one exists already. Writing ``MASTER_PORT`` into the environment, as this did before, leaked it into every
+    subprocess the same process started later (pytest workers: a one-process CLI then inherited a port this process
+    still held, EADDRINUSE; CI of 2026-11-26)."""
+    if dist.is_initialized():
+        return False
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    return True
 
 
 def destroy_model_parallel_groups() -> None:

@@ -257,11 +257,9 @@ def _init_single_process(on_cuda: bool):
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29600 + os.getpid() % 1000))
-    made_group = not dist.is_initialized()
-    if made_group:
-        dist.init_process_group("nccl" if on_cuda else "gloo", rank=0, world_size=1)
+    from dsv3_rl.mcore.runtime import init_single_process_group
+
+    made_group = init_single_process_group(backend="nccl" if on_cuda else "gloo")
     made_state = not ps.model_parallel_is_initialized()
     if made_state:
         ps.initialize_model_parallel(1, 1)

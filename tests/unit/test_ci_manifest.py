@@ -4,8 +4,8 @@ collected. ``tests/assets/ci-checks.txt`` lists the node ids of ``tests/unit`` a
 ``planted``; 4 renamed on purpose since, docs/ci.md); a test that disappears from collection (deleted, renamed, or its file no longer imports) fails here,
 named. New tests are welcome and need no entry. A deliberate rename or removal updates the manifest in the same
 change (``python tests/unit/test_ci_manifest.py --write`` rewrites it from the current collection; the diff shows
-what went). ``make test`` runs selections (``-m "not slow"`` and ``-m "slow and not e2e"`` under xdist, then
-``-m e2e``) that together take every test exactly once (test_make_test_runs_every_test_once), so what is collected
+what went). ``make test`` runs selections (``-m "not e2e"`` under xdist, then ``-m e2e``) that together take
+every test exactly once (test_make_test_runs_every_test_once), so what is collected
 is what CI runs.
 """
 

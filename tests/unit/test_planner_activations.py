@@ -53,12 +53,9 @@ def megatron_cpu():
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29700 + os.getpid() % 500))
-    created = False
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", rank=0, world_size=1)
-        created = True
+    from dsv3_rl.mcore.runtime import init_single_process_group
+
+    created = init_single_process_group()
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(1, 1)
     tracker = tensor_parallel.get_cuda_rng_tracker()

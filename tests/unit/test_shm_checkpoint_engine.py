@@ -1,16 +1,23 @@
 """verl patch 0035: the shared-memory checkpoint engine (``checkpoint_engine.backend: shm``), the CPU path of the
 one-step-off trainer's trainer -> rollout weight sync. Driven through verl's own registry and topology contract
-(``CheckpointEngineManager.build_process_group``'s steps, without Ray), against the sender's tensors."""
+(``CheckpointEngineManager.build_process_group``'s steps, without Ray), against the sender's tensors. The sync
+carries the refit checksum of patch 0031 (``dsv3_rl.refit.manifest``): per-tensor checksums in the manifest,
+verified by every receiver."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import struct
+import zipfile
 
 import pytest
 import torch
 
 from verl.checkpoint_engine import CheckpointEngineRegistry
+
+from dsv3_rl.refit.manifest import Manifest, ManifestMismatch
 
 
 def _weights():
@@ -68,6 +75,10 @@ def test_shm_engine_round_trip_bucketed(tmp_path):
     # the view was written with its own storage, not the 64x48 base
     saved = dict(torch.load(os.path.join(path, "bucket_00001.pt"), weights_only=True))
     assert saved["layers.0.q.weight"].untyped_storage().nbytes() == 8 * 48 * 2
+    # the refit checksum (patch 0031's manifest) of every tensor sent, against the sender's own tensors
+    with open(os.path.join(path, "manifest.json")) as f:
+        sent = Manifest.from_json(json.load(f)["dsv3_manifest"])
+    assert sent.verify(ref) == len(ref)
     for e in actors + rollouts:
         e.finalize()
     assert not os.path.exists(path)
@@ -92,3 +103,46 @@ def test_shm_engine_refuses_two_hosts():
     cls = CheckpointEngineRegistry.get("shm")
     with pytest.raises(RuntimeError, match="one host"):
         cls.build_topology(1, 1, [{"host": "a", "path": "/dev/shm/x"}, {"host": "b", "path": None}])
+
+
+def _corrupt_tensor_byte(bucket: str) -> str:
+    """Flip one bit of the first tensor's data in a bucket file (torch.save's zip stores it uncompressed, and
+    torch.load does not check the zip CRC); returns that tensor's name."""
+    name = torch.load(bucket, weights_only=True)[0][0]
+    with zipfile.ZipFile(bucket) as z:
+        info = next(i for i in z.infolist() if i.filename.endswith("/data/0"))
+    raw = bytearray(open(bucket, "rb").read())
+    n, extra = struct.unpack("<HH", raw[info.header_offset + 26:info.header_offset + 30])
+    raw[info.header_offset + 30 + n + extra + 5] ^= 0x10
+    with open(bucket, "wb") as f:
+        f.write(raw)
+    return name
+
+
+def _sync_corrupted(tmp_path, monkeypatch, checksum: bool):
+    """Send, flip a byte of a tensor in bucket 1, then receive."""
+    if not checksum:
+        monkeypatch.setenv("DSV3_REFIT_MANIFEST", "0")
+    tmp_path.mkdir()
+    actors, rollouts = _group(tmp_path, n_actor=1, n_rollout=1)
+
+    async def main():
+        await actors[0].send_weights(iter(_weights()), global_steps=2)
+        name = _corrupt_tensor_byte(os.path.join(actors[0].path, "bucket_00001.pt"))
+        try:
+            return name, await _collect(rollouts[0], 2)
+        except ManifestMismatch as e:
+            return name, e
+
+    return asyncio.run(main())
+
+
+def test_shm_engine_corrupted_bucket_fails_naming_the_tensor(tmp_path, monkeypatch):
+    """Planted-fault twin of the checksum: one flipped bit in a bucket file fails the receiver's sync, naming the
+    tensor; with the checksum off (DSV3_REFIT_MANIFEST=0) the same corruption passes the version and count checks
+    and reaches the rollout (what the checksum is for)."""
+    name, got = _sync_corrupted(tmp_path / "on", monkeypatch, checksum=True)
+    assert isinstance(got, ManifestMismatch), got
+    assert f"tensor {name!r} differs from what the trainer sent: digest" in str(got)
+    name, got = _sync_corrupted(tmp_path / "off", monkeypatch, checksum=False)
+    assert isinstance(got, list) and not torch.equal(dict(got)[name], dict(_weights())[name])
