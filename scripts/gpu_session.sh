@@ -200,33 +200,31 @@ case "${1:-}" in
     # check + megatron's TE pin, the MLA attention probe (which backend TE picks for 192/128, thd/sbhd/bshd-padded,
     # each vs transformers' eager attention; the guard held to it), and bench_train_step: TE spec vs local spec vs
     # transformers on 1 GPU, TE vs local at TP2+SP and EP2 on 2 GPUs (lanes on distinct GPUs; the host is shared)
+    # each takes the GPUs it runs on (CUDA_VISIBLE_DEVICES)
     te_checks() {
-      step te_env 60 env CUDA_VISIBLE_DEVICES=3 python -m dsv3_rl.mcore.te_env
-      step te_mla_attention 280 env CUDA_VISIBLE_DEVICES=3 python -m dsv3_rl.mcore.te_attention_probe \
+      step te_env 60 env CUDA_VISIBLE_DEVICES="$1" python -m dsv3_rl.mcore.te_env
+      step te_mla_attention 280 env CUDA_VISIBLE_DEVICES="$1" python -m dsv3_rl.mcore.te_attention_probe \
         --json "$OUT/te_mla_attention.json"
     }
     te_bench1() {
-      step bench_1gpu_te_local 280 env CUDA_VISIBLE_DEVICES=0 python bench/bench_train_step.py --spec te,local \
+      step bench_1gpu_te_local 280 env CUDA_VISIBLE_DEVICES="$1" python bench/bench_train_step.py --spec te,local \
         --json "$OUT/bench-1gpu-te-local.json"
     }
     te_bench2() {
-      step bench_2gpu_te_local 280 env CUDA_VISIBLE_DEVICES=1,2 torchrun --standalone --nproc-per-node 2 \
+      step bench_2gpu_te_local 280 env CUDA_VISIBLE_DEVICES="$1" torchrun --standalone --nproc-per-node 2 \
         bench/bench_train_step.py --engines mcore --spec te,local --layout tp=2,etp=1 --layout ep=2,etp=1 \
         --json "$OUT/bench-2gpu-te-local.json"
     }
-    if [ "$(nvidia-smi -L | wc -l)" -ge 4 ]; then
-      lane te-checks te_checks
-      lane te-bench1 te_bench1
-      lane te-bench2 te_bench2
+    # TE_CHECKS=0 skips the cuDNN check and the MLA probe (measured before: results/2026-11-26-gpu)
+    if [ "$(nvidia-smi -L | wc -l)" -ge 4 ]; then  # side by side on distinct GPUs
+      [ "${TE_CHECKS:-1}" = 1 ] && lane te-checks te_checks 3
+      lane te-bench1 te_bench1 0
+      lane te-bench2 te_bench2 1,2
       lanes_wait
-    else  # 2 GPUs: the benches one after the other on GPUs 0 and 0,1 (TE_CHECKS=0 skips the probe, measured before)
-      [ "${TE_CHECKS:-1}" = 1 ] && te_checks() { step te_env 60 python -m dsv3_rl.mcore.te_env; step te_mla_attention 280 \
-        python -m dsv3_rl.mcore.te_attention_probe --json "$OUT/te_mla_attention.json"; } && te_checks
-      step bench_1gpu_te_local 280 env CUDA_VISIBLE_DEVICES=0 python bench/bench_train_step.py --spec te,local \
-        --json "$OUT/bench-1gpu-te-local.json"
-      step bench_2gpu_te_local 280 env CUDA_VISIBLE_DEVICES=0,1 torchrun --standalone --nproc-per-node 2 \
-        bench/bench_train_step.py --engines mcore --spec te,local --layout tp=2,etp=1 --layout ep=2,etp=1 \
-        --json "$OUT/bench-2gpu-te-local.json"
+    else  # 2 GPUs: one after the other
+      [ "${TE_CHECKS:-1}" = 1 ] && te_checks 0
+      te_bench1 0
+      te_bench2 0,1
     fi
     for f in te_env te_mla_attention bench_1gpu_te_local bench_2gpu_te_local; do  # each step's one-line result (errors: above)
       grep -h -E "^(Transformer Engine|cuDNN|MLA fused|te_mla_attention:|bench_train_step:)" "$OUT/$f.log" 2>/dev/null \
