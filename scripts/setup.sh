@@ -110,6 +110,14 @@ if [ "${SETUP_EXTRAS:-}" = "gpu" ]; then
   "$PY" -m dsv3_rl.mcore.te_env --te-only | sed 's/^/[setup] /'
 fi
 
+# Bytecode of the editable trees (backends/*, dsv3_rl): pip compiles what it installs into site-packages, not an
+# editable source tree, and where PYTHONDONTWRITEBYTECODE is set (this project's CI and development machines set it)
+# no process ever writes it: every process compiled megatron-core / verl / dsv3_rl again on import (0.3-1 s of CPU a
+# process; a GRPO launch starts ~25, `make test` hundreds). compileall writes __pycache__ whatever that variable
+# says (~2 s); an edited file is recompiled on import as before (timestamps). docs/ci.md, issue 28.
+say "compiling the bytecode of the editable trees (backends/*, dsv3_rl)"
+"$PY" -m compileall -q -j 0 backends/megatron-core-*/megatron backends/verl-*/verl dsv3_rl > /dev/null
+
 "$PY" - <<'PYEOF'
 import importlib.metadata as md, platform
 import torch

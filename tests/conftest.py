@@ -74,19 +74,42 @@ def _no_leaked_process_group(request):
 
 
 @pytest.fixture(scope="session")
-def fault_chain(tmp_path_factory):
+def grpo_work(tmp_path_factory):
+    """WORK_DIR of every GRPO launch of the session (test_grpo_learning.py, test_algorithm_demos.py, the fault
+    chain): the tiny model converted HF -> mcore and the data prepared once, not once per module (issue 28). Each run
+    keeps its own CKPT_DIR and LOG_DIR (named after the run, no two alike)."""
+    return tmp_path_factory.mktemp("grpo_work")
+
+
+@pytest.fixture(scope="session")
+def fault_chain(tmp_path_factory, grpo_work):
     """The GRPO runs with a killed worker, a killed engine, a damaged checkpoint and a SIGTERM, then resumed
     (tests/unit/grpo_fault_chain.py), once per session: test_launch_faults.py and the resume test of
     test_grpo_learning.py each assert their part of it (issue 28: one chain of launches for both)."""
     from grpo_fault_chain import run_chain  # tests/unit is on sys.path (pytest's prepend import mode)
 
-    return run_chain(tmp_path_factory.mktemp("fault_chain"))
+    return run_chain(tmp_path_factory.mktemp("fault_chain"), work=grpo_work)
+
+
+#: The files of `make test`'s xdist phase that take longest, longest first (pytest's durations summed per file,
+#: 2026-11-26, 2-core box: test_convert.py ~245 s with its one 145-315 s test down to test_planner_validation.py
+#: ~25 s; the other ~60 files take ~200 s together). pytest-xdist's ``--dist loadfile`` hands files out in
+#: collection order as workers free up: started last, a 150-s file kept one core busy while the other had nothing
+#: left. Longest first, the last files handed out are the short ones (issue 28, docs/ci.md).
+LONGEST_FILES = ("test_convert.py", "test_mcore_patches.py", "test_verl_cpu_megatron.py", "test_correctness_four.py",
+                 "test_consistency.py", "test_correctness_layouts.py", "test_mcore_fastpath.py",
+                 "test_bench_grpo_update.py", "test_launch_resilience.py", "test_launch_ray.py",
+                 "test_verl_patches_config.py", "test_verl_cpu_platform.py", "test_mcore_fastpath_mla_guard.py",
+                 "test_verl_ckpt_restore.py", "test_launch_dryrun.py", "test_planner_validation.py")
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest's own -m selection sees the markers
 def pytest_collection_modifyitems(config, items):
     """An ``e2e`` test (a whole GRPO run) is always ``slow`` too: it never lands in ``make test-fast``'s
-    parallel phase, where it would share the two cores with other tests."""
+    parallel phase, where it would share the two cores with other tests. Then LONGEST_FILES first, in that order,
+    every other file after them as collected (a stable sort: a file's tests keep their order)."""
     for item in items:
         if item.get_closest_marker("e2e") and not item.get_closest_marker("slow"):
             item.add_marker(pytest.mark.slow)
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FILES)))

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+from grpo_runs import ends_only
 
 REPO = Path(__file__).resolve().parents[2]
 LAUNCHER = REPO / "examples" / "deepseek_v3" / "run_mcore_deepseek_verl.sh"
@@ -28,14 +29,14 @@ DEMO_STEPS = 6  #: 2 x the learning gate's 3-step window
 
 
 @pytest.fixture(scope="module")
-def work(tmp_path_factory):
-    return tmp_path_factory.mktemp("algo_work")   # shared WORK_DIR: the converted model and data, made once
+def work(grpo_work):
+    return grpo_work   # the session's WORK_DIR (tests/conftest.py): the converted model and data, made once
 
 
 @pytest.mark.parametrize("preset", ["tiny_cpu_dapo", "tiny_cpu_gspo", "tiny_cpu_one_step_off"])
 def test_algorithm_demo_learns(preset, work):
     p = work / f"{preset}_short.yaml"
-    p.write_text(f"extends: {PRESETS / (preset + '.yaml')}\nverl: {{trainer: {{total_training_steps: {DEMO_STEPS}}}}}\n")
+    p.write_text(f"extends: {PRESETS / (preset + '.yaml')}\nverl: {{trainer: {{{ends_only(DEMO_STEPS)}}}}}\n")
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "DSV3_PLANT_FAULT")}
     env.update(WORK_DIR=str(work), CKPT_DIR=str(work / preset / "ckpt"), LOG_DIR=str(work / preset / "logs"))
     t0 = time.monotonic()

@@ -117,3 +117,49 @@ if __name__ == "__main__":
 
     write_text_atomic(MANIFEST, HEADER + "".join(f"{i}\n" for i in ids))
     print(f"wrote {MANIFEST.relative_to(REPO)}: {len(ids)} checks, {sum(bool(TWIN.search(i)) for i in ids)} twins by name")
+
+
+# ------------------------------------------------------------------ the editable trees' bytecode (scripts/setup.sh)
+
+#: one module of each editable tree that every GRPO process imports
+BYTECODE_SAMPLE = ("backends/megatron-core-0.16.1/megatron/core/parallel_state.py",
+                   "backends/verl-0.9.1/verl/protocol.py", "dsv3_rl/errors.py")
+
+
+def missing_bytecode(root: Path, files) -> list[str]:
+    """FILES (relative to ROOT) with no compiled bytecode beside them (``__pycache__``), or that do not exist."""
+    import importlib.util
+
+    return [f for f in files if not (root / f).is_file()
+            or not Path(importlib.util.cache_from_source(str(root / f))).is_file()]
+
+
+def test_setup_compiled_the_editable_trees():
+    """`make setup` compiles backends/* and dsv3_rl (compileall): pip does not compile an editable tree, and where
+    PYTHONDONTWRITEBYTECODE is set (CI) no process would, so each one compiled them again (docs/ci.md)."""
+    assert missing_bytecode(REPO, BYTECODE_SAMPLE) == [], "run `make setup` (scripts/setup.sh compiles them)"
+
+
+def test_twin_a_tree_without_bytecode_is_named(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "mod.py").write_text("x = 1\n")
+    assert missing_bytecode(tmp_path, ["pkg/mod.py", "pkg/gone.py"]) == ["pkg/mod.py", "pkg/gone.py"]
+    import compileall
+
+    compileall.compile_dir(str(tmp_path / "pkg"), quiet=1)
+    assert missing_bytecode(tmp_path, ["pkg/mod.py"]) == []
+
+
+def files_not_in_suite(names, suite: Path = REPO / "tests" / "unit") -> list[str]:
+    return [n for n in names if not (suite / n).is_file()]
+
+
+def test_longest_files_first_names_files_that_exist():
+    """tests/conftest.py LONGEST_FILES orders `make test`'s xdist phase; a renamed file would silently lose its rank."""
+    sys.path.insert(0, str(REPO / "tests"))
+    try:
+        from conftest import LONGEST_FILES
+    finally:
+        sys.path.pop(0)
+    assert files_not_in_suite(LONGEST_FILES) == []
+    assert files_not_in_suite(["test_convert.py", "test_renamed_away.py"]) == ["test_renamed_away.py"]  # twin

@@ -38,6 +38,7 @@ from pathlib import Path
 
 import pytest
 from grpo_fault_chain import FALLBACK, K  # the resumed run's start, the interrupted run's last checkpoint
+from grpo_runs import ends_only
 
 REPO = Path(__file__).resolve().parents[2]
 LAUNCHER = REPO / "examples" / "deepseek_v3" / "run_mcore_deepseek_verl.sh"
@@ -46,16 +47,16 @@ SHORT_STEPS = 6  #: see the module doc: the fewest steps at which the sound run 
 
 
 @pytest.fixture(scope="module")
-def work(tmp_path_factory):
-    return tmp_path_factory.mktemp("grpo_work")
+def work(grpo_work):
+    return grpo_work  # the session's WORK_DIR (tests/conftest.py): model and data made once for every GRPO run
 
 
 @pytest.fixture(scope="module")
 def short_preset(work) -> Path:
-    """The demo's preset (tiny_cpu) cut to SHORT_STEPS steps, checkpoints every 2 (the resume test's K=4)."""
+    """The demo's preset (tiny_cpu) cut to SHORT_STEPS steps, validated and checkpointed at the ends only."""
     p = work / "tiny_cpu_short.yaml"
     p.write_text(f"extends: {REPO / 'examples/deepseek_v3/presets/tiny_cpu.yaml'}\n"
-                 f"verl: {{trainer: {{total_training_steps: {SHORT_STEPS}, save_freq: 2, max_actor_ckpt_to_keep: 3}}}}\n")
+                 f"verl: {{trainer: {{{ends_only(SHORT_STEPS)}, max_actor_ckpt_to_keep: 3}}}}\n")
     return p
 
 
@@ -167,7 +168,7 @@ def test_planted_fault_fails_the_run(work, short_preset, fault, request):
     else:
         p = work / "tiny_cpu_stale.yaml"
         p.write_text(f"extends: {REPO / 'examples/deepseek_v3/presets/tiny_cpu.yaml'}\n"
-                     f"verl: {{trainer: {{total_training_steps: {STALE_STEPS}}}}}\n")
+                     f"verl: {{trainer: {{{ends_only(STALE_STEPS)}}}}}\n")
         name, r = p.stem, _launch(work, fault, preset=str(p), DSV3_PLANT_FAULT=fault)
     out = r.stdout + r.stderr
     assert r.returncode == 1, out[-4000:]
