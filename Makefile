@@ -69,7 +69,9 @@ lint-patches:
 # failed; `make test` fails when either did; each lists its 15 slowest tests. `make test-fast` (the developer
 # loop) and `make test-slow` split the same tests by the `slow` marker.
 PYTEST := $(PY) -m pytest tests/unit -q --durations=15
-XDIST  ?= -n 2 --dist loadfile
+# --no-loadscope-reorder: hand the files out in collection order (tests/conftest.py puts the longest first), not
+# xdist's default of the most tests first (a file of 90 one-second tests before one of a single 150-s test)
+XDIST  ?= -n 2 --dist loadfile --no-loadscope-reorder
 E2E     = echo "[test] e2e GRPO runs (-m e2e, one at a time)"; $(PYTEST) -m e2e || rc=$$(( rc ? rc : $$? ))
 SLOW    = echo "[test] slow tests but the e2e runs (-m 'slow and not e2e', $(XDIST))"; \
 	$(PYTEST) -m "slow and not e2e" $(XDIST) || rc=$$(( rc ? rc : $$? )); $(E2E)

@@ -93,9 +93,11 @@ def fault_chain(tmp_path_factory, grpo_work):
 
 #: The files of `make test`'s xdist phase that take longest, longest first (pytest's durations summed per file,
 #: 2026-11-26, 2-core box: test_convert.py ~245 s with its one 145-315 s test down to test_planner_validation.py
-#: ~25 s; the other ~60 files take ~200 s together). pytest-xdist's ``--dist loadfile`` hands files out in
-#: collection order as workers free up: started last, a 150-s file kept one core busy while the other had nothing
-#: left. Longest first, the last files handed out are the short ones (issue 28, docs/ci.md).
+#: ~25 s; the other ~60 files take ~200 s together). pytest-xdist's ``--dist loadfile`` hands a file to whichever
+#: worker frees up, by default the files with the most tests first (90 one-second tests before one 150-s test), so a
+#: long file could start last and keep one core busy while the other had nothing left. The Makefile passes
+#: ``--no-loadscope-reorder`` (collection order) and this hook puts these first: the last files handed out are
+#: short ones (issue 28, docs/ci.md).
 LONGEST_FILES = ("test_convert.py", "test_mcore_patches.py", "test_verl_cpu_megatron.py", "test_correctness_four.py",
                  "test_consistency.py", "test_correctness_layouts.py", "test_mcore_fastpath.py",
                  "test_bench_grpo_update.py", "test_launch_resilience.py", "test_launch_ray.py",
