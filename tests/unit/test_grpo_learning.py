@@ -24,7 +24,8 @@ too close to the gate.
   runs differ from step 1: vLLM's sampling is not seeded per request), so the comparison is statistical:
   see RESUME_TOL.
 * R3 at PP2: the flip run's 6 steps (replay on the initial weights and after every update and weight sync).
-The runs of this module share one WORK_DIR (converted model, prepared data); each has its own CKPT_DIR and LOG_DIR.
+The GRPO runs of the session share one WORK_DIR (tests/conftest.py ``grpo_work``: converted model, prepared data);
+each has its own CKPT_DIR and LOG_DIR. The short runs validate and checkpoint at their ends only (grpo_runs.ends_only).
 """
 
 from __future__ import annotations
