@@ -70,9 +70,9 @@ def compare(want: dict, got: dict) -> list[str]:
 def main():
     mode, ckpt, snap = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
     os.environ.setdefault("VERL_PLATFORM", "cpu")
-    # one process: an in-memory store, no port (a MASTER_PORT inherited from the pytest process was still bound
-    # there in the CI run of 2026-11-26: EADDRINUSE)
-    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    from dsv3_rl.mcore.runtime import init_single_process_group
+
+    init_single_process_group(backend="gloo")  # one process, an in-memory store: no port, nothing in os.environ
     from dsv3_rl.layout import Layout
     from dsv3_rl.refit import verl_export
 
