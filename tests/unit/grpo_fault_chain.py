@@ -126,14 +126,14 @@ def _finish(proc, timeout: float) -> None:
         proc.reader.join(timeout=10)
 
 
-def run_chain(tmp: Path, work: Path | None = None) -> Chain:
-    """The chain's runs under TMP (checkpoints, logs, its preset); WORK (default TMP/work) holds the converted model
-    and the prepared data, which the session's other GRPO runs share (tests/conftest.py ``grpo_work``)."""
+def run_chain(tmp: Path, work: Path) -> Chain:
+    """The chain's runs under TMP (checkpoints, logs, its preset); WORK holds the converted model and the prepared
+    data, which the session's other GRPO runs share (tests/conftest.py ``grpo_work``)."""
     preset = tmp / f"{NAME}.yaml"
     preset.write_text(f"extends: {REPO / 'examples/deepseek_v3/presets/tiny_cpu.yaml'}\n"
                       "run: {max_restarts: 2}\n"
                       f"verl: {{trainer: {{total_training_steps: {STEPS}, save_freq: {SAVE}, max_actor_ckpt_to_keep: 2}}}}\n")
-    work, logs, ck = work or tmp / "work", tmp / "logs", tmp / "ckpt"
+    logs, ck = tmp / "logs", tmp / "ckpt"
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "DSV3_PLANT_FAULT")}
     env.update(WORK_DIR=str(work), CKPT_DIR=str(ck), LOG_DIR=str(logs))
     cmd = ["bash", str(LAUNCHER), "--preset", str(preset), "--quiet"]

@@ -121,33 +121,37 @@ if __name__ == "__main__":
 
 # ------------------------------------------------------------------ the editable trees' bytecode (scripts/setup.sh)
 
-#: one module of each editable tree that every GRPO process imports
-BYTECODE_SAMPLE = ("backends/megatron-core-0.16.1/megatron/core/parallel_state.py",
-                   "backends/verl-0.9.1/verl/protocol.py", "dsv3_rl/errors.py")
+def bytecode_sample() -> list[Path]:
+    """One module of each editable tree that every GRPO process imports (backend trees as backends.lock names them)."""
+    from dsv3_rl.backends import load_lock
+
+    lock = load_lock()
+    return [lock["megatron-core"].path() / "megatron/core/parallel_state.py", lock["verl"].path() / "verl/protocol.py",
+            REPO / "dsv3_rl/errors.py"]
 
 
-def missing_bytecode(root: Path, files) -> list[str]:
-    """FILES (relative to ROOT) with no compiled bytecode beside them (``__pycache__``), or that do not exist."""
+def missing_bytecode(files) -> list[Path]:
+    """FILES with no compiled bytecode beside them (``__pycache__``), or that do not exist."""
     import importlib.util
 
-    return [f for f in files if not (root / f).is_file()
-            or not Path(importlib.util.cache_from_source(str(root / f))).is_file()]
+    return [f for f in files if not f.is_file() or not Path(importlib.util.cache_from_source(str(f))).is_file()]
 
 
 def test_setup_compiled_the_editable_trees():
     """`make setup` compiles backends/* and dsv3_rl (compileall): pip does not compile an editable tree, and where
     PYTHONDONTWRITEBYTECODE is set (CI) no process would, so each one compiled them again (docs/ci.md)."""
-    assert missing_bytecode(REPO, BYTECODE_SAMPLE) == [], "run `make setup` (scripts/setup.sh compiles them)"
+    assert missing_bytecode(bytecode_sample()) == [], "run `make setup` (scripts/setup.sh compiles them)"
 
 
 def test_twin_a_tree_without_bytecode_is_named(tmp_path):
     (tmp_path / "pkg").mkdir()
-    (tmp_path / "pkg" / "mod.py").write_text("x = 1\n")
-    assert missing_bytecode(tmp_path, ["pkg/mod.py", "pkg/gone.py"]) == ["pkg/mod.py", "pkg/gone.py"]
+    mod, gone = tmp_path / "pkg" / "mod.py", tmp_path / "pkg" / "gone.py"
+    mod.write_text("x = 1\n")
+    assert missing_bytecode([mod, gone]) == [mod, gone]
     import compileall
 
     compileall.compile_dir(str(tmp_path / "pkg"), quiet=1)
-    assert missing_bytecode(tmp_path, ["pkg/mod.py"]) == []
+    assert missing_bytecode([mod]) == []
 
 
 def files_not_in_suite(names, suite: Path = REPO / "tests" / "unit") -> list[str]:
