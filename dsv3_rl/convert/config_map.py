@@ -287,13 +287,14 @@ def hf_to_mcore_kwargs(
     mtp = g("num_nextn_predict_layers", 0) or 0
     if keep_mtp and mtp:
         kw.update(mtp_num_layers=mtp, mtp_loss_scaling_factor=0.1)
-    from megatron.core.transformer.transformer_config import MLATransformerConfig
+    if overrides:  # (megatron-core only to check them: the launcher's checks call this without, issue 28)
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
 
-    fields = {f.name for f in dataclasses.fields(MLATransformerConfig)}
-    unknown = sorted(set(overrides) - fields)
-    if unknown:
-        raise UnsupportedConfigError(f"override key(s) {unknown} are not MLATransformerConfig fields")
-    kw.update(overrides)
+        fields = {f.name for f in dataclasses.fields(MLATransformerConfig)}
+        unknown = sorted(set(overrides) - fields)
+        if unknown:
+            raise UnsupportedConfigError(f"override key(s) {unknown} are not MLATransformerConfig fields")
+        kw.update(overrides)
     return kw
 
 

@@ -139,10 +139,33 @@ def run_single_node(launch, env: dict[str, str]) -> int:
         return _run_attempts(launch, env, lock)
 
 
+#: what the checks after the run import (the checkpoint reload into a TP1 model, the plots): imported in a thread
+#: while main_ppo runs, where this process only waits, instead of after it (~5 s on 2 cores; issue 28)
+AFTER_RUN_IMPORTS = ("megatron.core.dist_checkpointing", "megatron.core.models.gpt", "transformers",
+                     "matplotlib.pyplot")
+
+
+def _warm_imports(names=AFTER_RUN_IMPORTS) -> threading.Thread:
+    def run():
+        import importlib
+
+        for name in names:
+            try:
+                importlib.import_module(name)
+            except Exception:  # noqa: BLE001  (the checks import it again and report what fails, in their words)
+                pass
+
+    t = threading.Thread(target=run, name="dsv3-warm-imports", daemon=True)
+    t.start()
+    return t
+
+
 def _run_attempts(launch, env: dict[str, str], lock) -> int:
     from dsv3_rl.grpo import checks as checks_mod, progress
     from dsv3_rl.grpo.progress import write_plots
     from dsv3_rl.launch import workdir
+
+    _warm_imports()
 
     paths, preset = launch.paths, launch.preset
     total = int(_select(launch.cfg, "trainer.total_training_steps", 0) or 0)

@@ -142,12 +142,65 @@ def check_cli_overrides(overrides: list[Override], cfg) -> list[str]:
 # ------------------------------------------------------------------------------- after composition
 
 
+def _megatron_source_key() -> str | None:
+    """A digest of megatron-core's installed source tree (path, size, mtime of every ``megatron/core/**/*.py``),
+    found without importing it (``find_spec("megatron.core")`` runs no megatron-core code); None when absent."""
+    import hashlib
+
+    try:
+        spec = importlib.util.find_spec("megatron.core")
+    except (ImportError, ValueError):
+        return None
+    roots = [Path(spec.origin).parent] if spec and spec.origin else []
+    h = hashlib.sha256()
+    n = 0
+    for root in roots:
+        for f in sorted(root.rglob("*.py")):
+            st = f.stat()
+            h.update(f"{f}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+            n += 1
+    return h.hexdigest()[:32] if n else None
+
+
+def _fields_cache_path(key: str) -> Path:
+    import os
+
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "dsv3_rl" / f"megatron-fields-{key}.json"
+
+
 def _megatron_fields(module: str, cls: str) -> set[str] | None:
+    """Field names of megatron-core's dataclass MODULE.CLS. Importing megatron-core costs ~4 s of CPU, paid by
+    every launch before main_ppo starts (issue 28): the names are cached per megatron-core source tree
+    (:func:`_megatron_source_key`; an edited or re-patched file is another key) in the user's cache directory."""
+    import json
+
+    key = _megatron_source_key()
+    path = _fields_cache_path(key) if key else None
+    if path is not None:
+        try:
+            cached = json.loads(path.read_text()).get(f"{module}.{cls}")
+        except (OSError, ValueError, AttributeError):
+            cached = None
+        if isinstance(cached, list):
+            return set(cached)
     try:
         mod = importlib.import_module(module)
     except Exception:  # noqa: BLE001  (megatron-core missing: cannot check)
         return None
-    return {f.name for f in dataclasses.fields(getattr(mod, cls))}
+    fields = {f.name for f in dataclasses.fields(getattr(mod, cls))}
+    if path is not None:
+        from dsv3_rl.fs import write_json_atomic
+
+        try:
+            try:
+                table = json.loads(path.read_text())
+            except (OSError, ValueError):
+                table = {}
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_json_atomic(path, {**(table if isinstance(table, dict) else {}), f"{module}.{cls}": sorted(fields)})
+        except OSError:
+            pass  # a read-only home: the check still ran, only without the cache
+    return fields
 
 
 def check_open_dicts(cfg) -> list[str]:

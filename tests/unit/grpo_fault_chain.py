@@ -62,6 +62,9 @@ class Chain:
     leftover: set[str]
     """run markers of the chain with processes still alive after invocations 1 and 2"""
     third: subprocess.CompletedProcess
+    engine_processes: dict[str, int]
+    """vLLM processes of the run when the trainer worker was killed (every process up): ``{"EngineCore": n,
+    "VLLM::Worker": n}`` (the CPU presets' one-process executor: no worker beside an EngineCore)"""
 
 
 def _pids(pattern: str, run_id: str | None) -> list[int]:
@@ -148,6 +151,7 @@ def run_chain(tmp: Path, work: Path) -> Chain:
     try:
         wait_for(lambda: seen(f"step {SAVE}/{STEPS}"))
         time.sleep(2)
+        engines = {p: len(_pids(p, _run_id(logs))) for p in ("EngineCore", "VLLM::Worker")}
         events.append(f"killed ray::WorkerDict pid {_kill9(r'ray::WorkerDict', logs)}")
         wait_for(lambda: seen("RESTART 1/2"))
         mark = len(lines)
@@ -187,4 +191,4 @@ def run_chain(tmp: Path, work: Path) -> Chain:
     with open(log, "a") as f:
         f.write(f"\n===== the same command again =====\n{third.stdout}{third.stderr}")
     return Chain(ck, logs, first, first_rc, first_report, events, shard, second, proc.returncode, saved, leftover,
-                 third)
+                 third, engines)

@@ -255,3 +255,50 @@ def test_cpu_preset_runs_without_te_attention_switches(tmp_path, dsv3_config_onl
     env = {**environ_for("proxy_8xH100", tmp_path, dsv3_config_only), "NVTE_FLASH_ATTN": "1"}
     gpu = launch_run.resolve("proxy_8xH100", [], env, validate=False)
     assert gpu.full_env(env)["NVTE_FLASH_ATTN"] == "1"
+
+
+def test_megatron_fields_cache_equals_megatron_and_follows_its_sources(tmp_path, monkeypatch):
+    """The launcher checks override_* keys against megatron-core's dataclass fields without importing megatron-core
+    on every launch (issue 28: ~4 s before main_ppo starts): the names are cached per megatron-core source tree.
+    The cache holds what megatron-core says; a launch with a warm cache imports no megatron-core module; an edited
+    source file is another key (twin: a planted wrong entry under the current key is what the check uses, so a
+    stale cache would be believed if the key did not follow the sources)."""
+    import dataclasses
+    import importlib
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from dsv3_rl.launch import verl_config as vc
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    module, cls = vc.MEGATRON_TARGETS[".override_transformer_config"]
+    key = vc._megatron_source_key()
+    assert key, "megatron-core's sources not found"
+    first = vc._megatron_fields(module, cls)  # cold: imports megatron-core, writes the cache
+    path = vc._fields_cache_path(key)
+    live = {f.name for f in dataclasses.fields(getattr(importlib.import_module(module), cls))}
+    assert first == live and set(json.loads(path.read_text())[f"{module}.{cls}"]) == live
+    code = ("import sys; from dsv3_rl.launch import verl_config as vc; "
+            f"f = vc._megatron_fields({module!r}, {cls!r}); "
+            "print(len(f), any(m.startswith('megatron.core') for m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ,
+                         "XDG_CACHE_HOME": str(tmp_path / "cache")}, capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == [str(len(live)), "False"], out.stdout + out.stderr[-2000:]
+    # twin: a wrong entry under the current key is believed ...
+    path.write_text(json.dumps({f"{module}.{cls}": ["recompute_granularity"]}))
+    assert vc._megatron_fields(module, cls) == {"recompute_granularity"}
+    # ... so the key must change with the sources: another size or mtime of one file is another key
+    monkeypatch.setattr(vc, "_megatron_source_key", lambda: key[:-1] + ("0" if key[-1] != "0" else "1"))
+    assert vc._megatron_fields(module, cls) == live
+    tf = Path(importlib.import_module(module).__file__)
+    st = tf.stat()
+    monkeypatch.undo()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    try:
+        os.utime(tf, ns=(st.st_atime_ns, st.st_mtime_ns + 1))
+        assert vc._megatron_source_key() != key
+    finally:
+        os.utime(tf, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert vc._megatron_source_key() == key

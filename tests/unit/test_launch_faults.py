@@ -30,6 +30,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 @pytest.mark.timeout(3000)
 def test_killed_worker_dead_engine_and_truncated_checkpoint_end_passed(fault_chain):
     c = fault_chain
+    # the CPU rollout's one-process executor (run.derived_tree, env/cpu.sh): two engines, no worker process beside
+    # either (before issue 28's change each EngineCore had a VLLM::Worker; test_launch_presets checks the keys)
+    assert c.engine_processes == {"EngineCore": 2, "VLLM::Worker": 0}, c.engine_processes
     out = c.first
     assert c.first_rc == 0, out[-5000:]
     assert "RESTART 1/2: a Ray worker (WorkerDict, pid" in out, out[-5000:]

@@ -231,3 +231,32 @@ def test_layout_dispatcher_becomes_the_verl_key(tmp_path):
     assert get_dotted(plain, key) is None  # twin: unset, verl's default
     p = load_preset(_write(tmp_path, "b.yaml", f"extends: {base}\nlayout: {{dispatcher: allgather}}\n"))
     assert get_dotted(derived_tree(p, model_cfg), key) == "allgather"
+
+
+def test_cpu_rollout_at_tp1_runs_the_model_in_the_engine_core(tmp_path):
+    """CPU presets at rollout tp 1 ask vLLM for its one-process executor (no worker process beside each EngineCore,
+    issue 28), and env/cpu.sh lets vLLM's CPU platform keep it (VLLM_ENABLE_V1_MULTIPROCESSING=0; with 1 it turns
+    "uni" back into "mp"). Twins: a GPU preset and a CPU rollout at tp 2 keep verl's "mp"."""
+    from dsv3_rl.launch.overrides import get_dotted
+    from dsv3_rl.launch.run import derived_tree, env_from_file
+
+    key = "actor_rollout_ref.rollout.engine_kwargs.vllm.distributed_executor_backend"
+    model_cfg = {"model_type": "deepseek_v3", **model_presets.preset_kwargs("tiny-vllm")}
+    for name in ("tiny_cpu", "tiny_cpu_dapo", "tiny_cpu_gspo", "tiny_cpu_one_step_off", "tiny_cpu_gsm8k"):
+        p = load_preset(name)
+        assert get_dotted(derived_tree(p, model_cfg), key) == "uni", name
+        assert env_from_file(p.env_path(), {}).get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0", name
+    tp2 = load_preset(_write(tmp_path, "tp2.yaml", f"extends: {PRESET_DIR / 'tiny_cpu.yaml'}\n"
+                                                   "rollout: {name: vllm, tp: 2, dp: 1}\n"))
+    assert get_dotted(derived_tree(tp2, model_cfg), key) is None  # twin: vLLM needs its multiprocess executor
+    gpu = load_preset("tiny_1xH100")
+    assert gpu.rollout.get("tp", 1) == 1 and not gpu.is_cpu
+    assert get_dotted(derived_tree(gpu, model_cfg), key) is None  # twin: GPU engines keep verl's choice
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in env_from_file(gpu.env_path(), {})
+    # vLLM itself: its CPU platform keeps "uni" only when the engine's multiprocessing switch is off
+    import importlib.util
+
+    src = Path(importlib.util.find_spec("vllm").origin).parent / "platforms" / "cpu.py"
+    text = src.read_text()
+    assert 'os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "1"' in text and \
+        'distributed_executor_backend = "mp"' in text, f"{src}: vLLM's rule changed; revisit run.derived_tree"

@@ -12,6 +12,10 @@ export VERL_PLATFORM=${VERL_PLATFORM:-cpu}
 # vLLM's CPU build: do not pin its OpenMP threads (the trainers run on the same cores).
 export VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-nobind}
 export VLLM_TARGET_DEVICE=${VLLM_TARGET_DEVICE:-cpu}
+# With 0, vLLM's CPU platform keeps the one-process executor ("uni") that the launcher asks for at rollout tp 1
+# (each engine's model runs in its EngineCore process: no worker process beside it); with 1 it turns "uni" into
+# "mp". The engine core still runs in a process of its own (verl's server uses vLLM's AsyncLLM).
+export VLLM_ENABLE_V1_MULTIPROCESSING=${VLLM_ENABLE_V1_MULTIPROCESSING:-0}
 # TransferQueue (verl's data plane) sets torch's threads to this around each transfer (default 8, capped at
 # the physical cores with one warning per transfer: thousands of log lines on a 2-core box).
 export TQ_NUM_THREADS=${TQ_NUM_THREADS:-1}
