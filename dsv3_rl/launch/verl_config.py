@@ -168,13 +168,14 @@ def _fields_cache_path(key: str) -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "dsv3_rl" / f"megatron-fields-{key}.json"
 
 
-def _megatron_fields(module: str, cls: str) -> set[str] | None:
+def _megatron_fields(module: str, cls: str, key: str | None = None) -> set[str] | None:
     """Field names of megatron-core's dataclass MODULE.CLS. Importing megatron-core costs ~4 s of CPU, paid by
-    every launch before main_ppo starts (issue 28): the names are cached per megatron-core source tree
-    (:func:`_megatron_source_key`; an edited or re-patched file is another key) in the user's cache directory."""
+    every launch before main_ppo starts (issue 28): the names are cached per megatron-core source tree (KEY, by
+    default :func:`_megatron_source_key`; an edited or re-patched file is another key) in the user's cache
+    directory."""
     import json
 
-    key = _megatron_source_key()
+    key = key or _megatron_source_key()
     path = _fields_cache_path(key) if key else None
     if path is not None:
         try:
@@ -209,6 +210,7 @@ def check_open_dicts(cfg) -> list[str]:
     from omegaconf import DictConfig, OmegaConf
 
     errors = []
+    source_key = None  # megatron-core's source digest: walked once for all sections, and only if one needs it
     for section in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic"):
         for suffix, (module, cls) in MEGATRON_TARGETS.items():
             sub = "optim" + suffix if "optimizer" in suffix else "megatron" + suffix
@@ -216,7 +218,8 @@ def check_open_dicts(cfg) -> list[str]:
             node = node_at(cfg, key)
             if not isinstance(node, DictConfig) or node._is_interpolation() or len(node) == 0:
                 continue
-            fields = _megatron_fields(module, cls)
+            source_key = source_key or _megatron_source_key()
+            fields = _megatron_fields(module, cls, source_key)
             if fields is None:
                 errors.append(f"cannot check {key}: {module} does not import (is megatron-core installed?)")
                 continue
