@@ -135,16 +135,21 @@ class RunResult:
     """``{step: seconds into the run when its metrics were logged}``"""
 
 
-def run_ids() -> set[str]:
-    """The run markers of every live process that carries one."""
+def run_ids(env_entry: str | None = None) -> set[str]:
+    """The run markers of every live process that carries one; with ENV_ENTRY (``"LOG_DIR=/path"``), of the processes
+    whose environment also has that exact entry: the runs of one work or log directory, not every run on the machine
+    (another launch, or a test beside this one, has its own)."""
     key, out = f"{RUN_ID_ENV}=".encode(), set()
+    want = env_entry.encode() if env_entry is not None else None
     for d in os.listdir("/proc"):
         if d.isdigit():
             try:
                 with open(f"/proc/{d}/environ", "rb") as f:
-                    out.update(i[len(key):].decode() for i in f.read().split(b"\0") if i.startswith(key))
+                    entries = f.read().split(b"\0")
             except OSError:
                 continue
+            if want is None or want in entries:
+                out.update(i[len(key):].decode() for i in entries if i.startswith(key))
     return out
 
 

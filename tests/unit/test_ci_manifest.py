@@ -11,6 +11,7 @@ is what CI runs.
 
 from __future__ import annotations
 
+import functools
 import re
 import subprocess
 import sys
@@ -26,6 +27,7 @@ HEADER = """\
 """
 
 
+@functools.lru_cache(maxsize=4)  # one collection for this file's tests (xdist's loadfile keeps them in one process)
 def collected(paths: tuple[str, ...] = ("tests/unit",)) -> tuple[list[str], str]:
     """(node ids, pytest's output) of a collect-only run, in a fresh process (this session may run a subset)."""
     r = subprocess.run([sys.executable, "-m", "pytest", *paths, "--collect-only", "-q", "-p", "no:cacheprovider"],
@@ -60,9 +62,26 @@ def make_test_selections() -> list[str]:
     r = subprocess.run(["make", "-n", "-s", "test"], cwd=REPO, capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
-    found = [re.findall(r' -m (?:"([^"]+)"|(\w+))', line.replace("-m pytest", ""))
+    found = [re.findall(r' -m (?:"([^"]+)"|(\w+))', lanes_taken(line).replace("-m pytest", ""))
              for line in r.stdout.splitlines() if "-m pytest" in line]
     return [quoted or bare for per_line in found for quoted, bare in per_line]
+
+
+def lanes_taken(line: str) -> str:
+    """A line of ``make -n test`` with the e2e phase's ``if [ "$(E2E_LANES)" = 2 ] ... else ... fi`` (printed
+    whole) reduced to the branch that runs, its echo dropped, and its two lanes counted as one selection: lane 1
+    is every test of the selection that lane 2 is not (tests/conftest.py ``e2e_lane``), so the two together take
+    the selection once; both lanes must be there."""
+    m = re.search(r'if \[ "(\d+)" = 2 \]; then (.*?); else (.*?); fi', line)
+    if not m:
+        return line
+    branch = m.group(2) if m.group(1) == "2" else m.group(3)
+    branch = re.sub(r'echo "[^"]*"', "echo", branch)
+    if "--e2e-lane" in branch:
+        lanes = re.findall(r"--e2e-lane (\d)/2", branch)
+        assert sorted(lanes) == ["1", "2"], f"the e2e phase runs lanes {lanes} of 2: {branch}"
+        branch = re.sub(r' -m (?:"[^"]+"|\w+)( --e2e-lane 2/2)', r"\1", branch)
+    return line[: m.start()] + branch + line[m.end():]
 
 
 def once_each(selections: list[str], markers: tuple[str, ...] = ("slow", "e2e")) -> list[str]:
@@ -167,3 +186,45 @@ def test_longest_files_first_names_files_that_exist():
         sys.path.pop(0)
     assert files_not_in_suite(LONGEST_FILES) == []
     assert files_not_in_suite(["test_convert.py", "test_renamed_away.py"]) == ["test_renamed_away.py"]  # twin
+
+
+def _lanes():
+    sys.path.insert(0, str(REPO / "tests"))
+    try:
+        from conftest import E2E_LANE_2, e2e_lane
+    finally:
+        sys.path.pop(0)
+    return E2E_LANE_2, e2e_lane
+
+
+def test_e2e_lanes_split_the_e2e_tests_and_name_tests_that_exist():
+    """`make test` runs the e2e tests in two lanes side by side (tests/conftest.py): lane 2 is what E2E_LANE_2
+    names, lane 1 everything else. Each name must match a collected test (else lane 2 shrinks unseen and lane 1
+    runs alone for longer); a test no name matches runs in lane 1, never in neither (twin below)."""
+    lane_2, e2e_lane = _lanes()
+    now, out = collected()
+    assert [p for p in lane_2 if not any(i.startswith(p) for i in now)] == [], out[-3000:]
+    assert e2e_lane("tests/unit/test_algorithm_demos.py::test_algorithm_demo_learns[tiny_cpu_gspo]") == 2
+    assert e2e_lane("tests/unit/test_grpo_learning.py::test_planted_fault_fails_the_run[constant_reward]") == 2
+    # the fault chain, and the flip run with its R3 test, stay with the tests that share their fixtures
+    assert e2e_lane("tests/unit/test_launch_faults.py::test_killed_worker_dead_engine_and_truncated_checkpoint_end_passed") == 1
+    assert e2e_lane("tests/unit/test_grpo_learning.py::test_interrupted_run_resumes_and_matches_an_uninterrupted_one") == 1
+    assert e2e_lane("tests/unit/test_grpo_learning.py::test_planted_fault_fails_the_run[flip_advantage_sign]") == 1
+    assert e2e_lane("tests/unit/test_grpo_learning.py::test_r3_router_replay_at_pp2") == 1
+
+
+def test_twin_an_unnamed_e2e_test_runs_in_lane_1_and_a_lone_lane_is_named():
+    _, e2e_lane = _lanes()
+    assert e2e_lane("tests/unit/test_new_grpo_run.py::test_it_learns") == 1  # not dropped: lane 1 takes it
+    one_lane = ('if [ "2" = 2 ]; then echo "x"; .venv/bin/python -m pytest tests/unit -m e2e --e2e-lane 2/2 > l & p=$!; '
+                'wait $p; else .venv/bin/python -m pytest tests/unit -m e2e; fi')
+    try:
+        lanes_taken(one_lane)
+    except AssertionError as e:
+        assert "lanes ['2'] of 2" in str(e)
+    else:
+        raise AssertionError("a make test that runs lane 2/2 alone was not named")
+    both = one_lane.replace("wait $p;", ".venv/bin/python -m pytest tests/unit -m e2e --e2e-lane 1/2; wait $p;")
+    assert once_each(["not e2e", *re.findall(r" -m (\w+)", lanes_taken(both).replace("-m pytest", ""))]) == []
+    # twin: the two lanes read as two selections take the e2e tests twice
+    assert once_each(["not e2e", *re.findall(r" -m (\w+)", both.replace("-m pytest", ""))]) != []

@@ -82,7 +82,7 @@ def test_twin_killpg_alone_leaves_the_detached_grandchild(tmp_path):
 
 
 def test_run_processes_and_pss_see_only_the_marked_run(tmp_path):
-    env = {**os.environ, monitor.RUN_ID_ENV: "mark-" + str(os.getpid())}
+    env = {**os.environ, monitor.RUN_ID_ENV: "mark-" + str(os.getpid()), "LOG_DIR": f"/nonexistent/logs-{os.getpid()}"}
     p = subprocess.Popen([sys.executable, "-c", "import time; print('ready', flush=True); time.sleep(30)"], env=env,
                          stdout=subprocess.PIPE, text=True)
     try:
@@ -93,6 +93,10 @@ def test_run_processes_and_pss_see_only_the_marked_run(tmp_path):
         assert monitor.run_processes(env[monitor.RUN_ID_ENV]) == [p.pid]
         assert monitor.run_processes("another-run") == []  # twin: another marker finds nothing
         assert env[monitor.RUN_ID_ENV] in monitor.run_ids()
+        # scoped to one run's directory: found by an entry its environment has, not by one it lacks (twin)
+        assert monitor.run_ids(f"LOG_DIR={env['LOG_DIR']}") == {env[monitor.RUN_ID_ENV]}
+        assert env[monitor.RUN_ID_ENV] not in monitor.run_ids(f"LOG_DIR={env['LOG_DIR']}-other")
+        assert env[monitor.RUN_ID_ENV] not in monitor.run_ids(f"LOG_DIR={env['LOG_DIR'][:-1]}")  # exact entry only
         assert monitor.pss_bytes([p.pid]) > 1 << 20
         assert monitor.pss_bytes([10**9]) == 0
     finally:
