@@ -85,6 +85,31 @@ def test_checks_fail_on_planted_faults(tmp_path, fault, check):
     assert failed == [check], rep.render()
 
 
+@pytest.mark.parametrize("case", ["nearly_deterministic", "twin_entropy_high", "twin_mean_high", "twin_no_entropy"])
+def test_pearson_is_not_judged_where_the_policy_is_nearly_deterministic(tmp_path, case):
+    """The CI demo of 2026-11-27 (05:48 UTC), step 12: policy entropy 0.107 nats, pearson 0.9605 with the run's
+    smallest mean |p_vllm - p_megatron| (0.0048): near-1 probabilities have no spread for a correlation to measure,
+    so the mean alone judges such a step (checks.PEARSON_MIN_ENTROPY). Twins: the same pearson at a spread-out
+    policy, a large mean at low entropy, and a run that logs no entropy all fail the check."""
+    steps = _good_steps()
+    for s in steps[1:]:
+        s[checks.ENTROPY] = 1.0
+    steps[8].update({checks.ENTROPY: 0.107, checks.PEARSON: 0.9605, checks.PROB_DIFF_MEAN: 0.0048})
+    if case == "twin_entropy_high":
+        steps[8][checks.ENTROPY] = 0.5
+    elif case == "twin_mean_high":
+        steps[8][checks.PROB_DIFF_MEAN] = 0.05
+    elif case == "twin_no_entropy":
+        for s in steps[1:]:
+            del s[checks.ENTROPY]
+    rep = checks.check_run(_write(tmp_path, steps), 8, None, None, None, TOL)
+    check = next(c for c in rep.checks if c.name == "rollout == trainer every step")
+    if case == "nearly_deterministic":
+        assert check.ok and "not judged at the 1 below" in check.detail and "pearson >= 0.9900" in check.detail, check
+    else:
+        assert not check.ok and "step 8:" in check.detail, check
+
+
 def test_learning_gate_off_says_why(tmp_path):
     """The GSM8K preset turns the gate off with a reason: the check passes and says so; without a reason it gates."""
     steps = _good_steps()
