@@ -65,12 +65,6 @@ class Chain:
     engine_processes: dict[str, int]
     """vLLM processes of the run when the trainer worker was killed (every process up): ``{"EngineCore": n,
     "VLLM::Worker": n}`` (the CPU presets' one-process executor: no worker beside an EngineCore)"""
-    unscoped: list[int]
-    """processes of invocation 1's run (its marker) without the chain's ``LOG_DIR`` in their environment, when the
-    trainer worker was killed (every process up): ``leftover`` finds the chain's processes by that entry, so it
-    must be on every one of them (Ray workers and vLLM engines included)"""
-    scoped: int
-    """how many processes ``leftover``'s search (the marker + the chain's ``LOG_DIR``) found at that moment"""
 
 
 def _pids(pattern: str, run_id: str | None) -> list[int]:
@@ -98,21 +92,6 @@ def _kill9(pattern: str, log_dir: Path) -> int:
     assert victims, f"no process matching {pattern!r} in the run"
     os.kill(victims[0], signal.SIGKILL)
     return victims[0]
-
-
-def _unscoped(run_id: str, entry: str) -> tuple[list[int], int]:
-    """(PIDs of RUN_ID's processes whose environment lacks ENTRY, how many RUN_ID processes carry it)."""
-    lacking, having = [], 0
-    for pid in monitor.run_processes(run_id):
-        try:
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if entry.encode() in env:
-            having += 1
-        else:
-            lacking.append(pid)
-    return lacking, having
 
 
 def _watched(cmd: list[str], env: dict[str, str]):
@@ -162,6 +141,7 @@ def run_chain(tmp: Path, work: Path) -> Chain:
     env.update(WORK_DIR=str(work), CKPT_DIR=str(ck), LOG_DIR=str(logs))
     cmd = ["bash", str(LAUNCHER), "--preset", str(preset), "--quiet"]
     longer = [*cmd, f"trainer.total_training_steps={LONGER}"]
+    before = monitor.run_ids()  # runs of someone else on this machine, not ours to judge
     events: list[str] = []
     log = Path(os.environ.get("DSV3_FAULT_LOG", tmp / "faults.log"))
 
@@ -172,7 +152,6 @@ def run_chain(tmp: Path, work: Path) -> Chain:
         wait_for(lambda: seen(f"step {SAVE}/{STEPS}"))
         time.sleep(2)
         engines = {p: len(_pids(p, _run_id(logs))) for p in ("EngineCore", "VLLM::Worker")}
-        unscoped, scoped = _unscoped(_run_id(logs), f"LOG_DIR={logs}")
         events.append(f"killed ray::WorkerDict pid {_kill9(r'ray::WorkerDict', logs)}")
         wait_for(lambda: seen("RESTART 1/2"))
         mark = len(lines)
@@ -202,7 +181,7 @@ def run_chain(tmp: Path, work: Path) -> Chain:
     finally:
         _finish(proc, 120)
     second = "".join(lines)
-    leftover = monitor.run_ids(f"LOG_DIR={logs}")  # the chain's runs only: other runs may share the machine
+    leftover = monitor.run_ids() - before
     saved = sorted(int(p.name.split("_")[-1]) for p in ck.glob("global_step_*") if p.name.split("_")[-1].isdigit())
     with open(log, "a") as f:
         f.write(f"\n===== {events[-2]}; extended to {LONGER} steps =====\n{second}\n{events[-1]}\n")
@@ -212,4 +191,4 @@ def run_chain(tmp: Path, work: Path) -> Chain:
     with open(log, "a") as f:
         f.write(f"\n===== the same command again =====\n{third.stdout}{third.stderr}")
     return Chain(ck, logs, first, first_rc, first_report, events, shard, second, proc.returncode, saved, leftover,
-                 third, engines, unscoped, scoped)
+                 third, engines)
