@@ -182,9 +182,10 @@ def check_metrics(steps: list[dict[str, Any]], expected_steps: int, tol: dict[st
         m, r = s.get(PROB_DIFF_MEAN), s.get(PEARSON)
         if pearson_judged(s):
             judged.append(s)
-        elif _finite(m) and m <= lim:
-            continue  # low entropy: the mean alone judges this step
-        if not (_finite(m) and _finite(r) and m <= lim and r >= rmin):
+            ok = _finite(m) and _finite(r) and m <= lim and r >= rmin
+        else:
+            ok = _finite(m) and m <= lim  # low entropy: the mean alone judges this step
+        if not ok:
             worst.append(f"step {s['step']}: mean {m if m is None else f'{m:.3g}'}, pearson {r if r is None else f'{r:.4f}'}")
     means = [s.get(PROB_DIFF_MEAN) for s in train if _finite(s.get(PROB_DIFF_MEAN))]
     maxes = [s.get(PROB_DIFF_MAX) for s in train if _finite(s.get(PROB_DIFF_MAX))]

@@ -198,7 +198,7 @@ def _lanes():
 
 
 def test_e2e_lanes_split_the_e2e_tests_and_name_tests_that_exist():
-    """`make test` runs the e2e tests in two lanes side by side (tests/conftest.py): lane 2 is what E2E_LANE_2
+    """`make test E2E_LANES=2` runs the e2e tests in two lanes side by side (tests/conftest.py): lane 2 is what E2E_LANE_2
     names, lane 1 everything else. Each name must match a collected test (else lane 2 shrinks unseen and lane 1
     runs alone for longer); a test no name matches runs in lane 1, never in neither (twin below)."""
     lane_2, e2e_lane = _lanes()
