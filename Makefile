@@ -15,7 +15,7 @@ help:
 	@echo "make demo           GRPO that learns: the launcher's tiny_cpu preset (warm-started tiny DeepSeek-V3, CPU ok)"
 	@echo "make test           CPU test suite (the README's test command): all but the GRPO runs on both cores, then those"
 	@echo "make test-fast      the tests not marked slow, on both cores (pytest-xdist); the developer loop"
-	@echo "make test-slow      the slow tests: non-e2e on both cores, then the e2e GRPO runs one at a time"
+	@echo "make test-slow      the slow tests: non-e2e on both cores, then the e2e GRPO runs in two lanes"
 	@echo "make test-backends  verl's own *_on_cpu tests against the patched tree"
 	@echo "make test-gpu       GPU suite (tests/gpu), needs CUDA"
 	@echo "make backends | apply-patches | check-patches | revert-patches | patch-status | patch-diff | patches-table"
@@ -65,17 +65,17 @@ lint-patches:
 # The CPU suite (docs: README "Tests", CONTRIBUTING.md "Markers", docs/ci.md). `make test`: every test but the
 # GRPO runs in one session on both cores (pytest-xdist, one file per worker: a file's module fixtures are built
 # once; the fast files fill the cores while a torchrun test waits), then the `e2e` GRPO runs (Ray + vLLM +
-# Megatron, a dozen processes each, kill/restart timing) one at a time (E2E_LANES=2: two lanes, E2E below). Both phases run also when the first
+# Megatron, a dozen processes each, kill/restart timing) in two lanes side by side (E2E below). Both phases run also when the first
 # failed; `make test` fails when either did; each lists its 15 slowest tests. `make test-fast` (the developer
 # loop) and `make test-slow` split the same tests by the `slow` marker.
 PYTEST := $(PY) -m pytest tests/unit -q --durations=15
 # --no-loadscope-reorder: hand the files out in collection order (tests/conftest.py puts the longest first), not
 # xdist's default of the most tests first (a file of 90 one-second tests before one of a single 150-s test)
 XDIST  ?= -n 2 --dist loadfile --no-loadscope-reorder
-# The e2e GRPO runs one at a time (E2E_LANES=1, the default) or in two pytest processes side by side (E2E_LANES=2:
-# lanes in tests/conftest.py, ~20.7 GiB at peak on 2 cores / 23 GiB; not the default yet: the fault chain's
-# no-process-left check counts every run on the machine, docs/ci.md "Fifth pass"); lane 2's output follows lane 1's.
-E2E_LANES ?= 1
+# The e2e GRPO runs in two pytest processes side by side (E2E_LANES=2, the default: lanes in tests/conftest.py; one
+# launch leaves ~20 % of 2 cores idle, two fill them; ~20.7 GiB at peak on 2 cores / 23 GiB, docs/ci.md) or one at a
+# time (E2E_LANES=1: less memory); lane 2's output follows lane 1's.
+E2E_LANES ?= 2
 E2E     = if [ "$(E2E_LANES)" = 2 ]; then \
 	  echo "[test] e2e GRPO runs (-m e2e): lanes 1/2 and 2/2 side by side, lane 2's output after lane 1's"; \
 	  lane2_log=$$(mktemp); $(PYTEST) -m e2e --e2e-lane 2/2 > $$lane2_log 2>&1 & lane2=$$!; \

@@ -5,8 +5,12 @@
 
 verl's sdist ships ``tests/``; its ``*_on_cpu.py`` files are the CPU suite, run from the backend's
 root. A file that starts Ray (``needs_ray``, read from its source) runs in a pytest process of its
-own, followed by ``ray stop --force`` (Ray cannot be re-initialised in one process, and a dying
-file leaves daemons behind). All the other files run in ONE pytest process on two pytest-xdist
+own (Ray cannot be re-initialised in one process) with a private ``RAY_TMPDIR``, and afterwards every
+process carrying that ``RAY_TMPDIR`` is killed (a dying file leaves daemons behind; Ray's daemons and
+workers inherit the driver's environment). Only that file's Ray is stopped: not the machine's other
+clusters (``ray stop --force`` would stop every Ray of the user, a GRPO run beside included), and the
+private directory keeps ``ray.init()`` from joining a cluster that ``ray start`` recorded in the shared
+one. All the other files run in ONE pytest process on two pytest-xdist
 workers (``--dist loadfile``): most of their time is verl's import, paid once per worker instead of
 once per file. That group runs with a private ``RAY_TMPDIR``; a Ray session found there afterwards
 (a file that started Ray although its source did not say so) fails the run. Files listed in
@@ -24,6 +28,7 @@ import argparse
 import ast
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -141,10 +146,20 @@ def _pytest(src: Path, env: dict, junit: Path, args: list[str], label: str) -> N
               flush=True)
 
 
-def _ray_stop(env: dict) -> None:
-    ray = Path(sys.executable).with_name("ray")  # the venv's, also when its bin/ is not on PATH
-    if ray.exists():
-        subprocess.run([str(ray), "stop", "--force"], capture_output=True, env=env)
+def _ray_stop(ray_tmp: Path) -> None:
+    """Kill every process of the Ray that a test file started under RAY_TMP (its private ``RAY_TMPDIR``)."""
+    from dsv3_rl.launch.monitor import processes_with
+
+    for _ in range(3):  # a worker the raylet was starting as we looked may show up once
+        pids = processes_with(f"RAY_TMPDIR={ray_tmp}")
+        if not pids:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        time.sleep(0.5)
 
 
 def run_suite(src: Path, import_root: Path | None, jobs_out: Path) -> tuple[set[str], set[str]]:
@@ -177,26 +192,36 @@ def run_suite(src: Path, import_root: Path | None, jobs_out: Path) -> tuple[set[
         print(f"[backend-tests] {label}: {len(p)} passed, {len(fl)} failed in {time.time() - t0:.0f}s", flush=True)
         started = sorted(ray_tmp.glob("ray/session_2*"))
         if started:
-            _ray_stop(env)
+            _ray_stop(ray_tmp)
             raise BackendError(f"a test file run without Ray started a Ray session ({started[0]}); "
                                f"make dsv3_rl.backend_tests.needs_ray see it, or add the file to RUN_ALONE")
-    for i, (f, why, starts_ray) in enumerate(alone, 1):
+
+    def run_alone(i: int, f: Path, why: str, starts_ray: bool) -> tuple[set[str], set[str]]:
         rel = f.relative_to(src)
         t_file = time.time()
         junit = jobs_out / (str(rel).replace("/", "__") + ".xml")
-        _pytest(src, env, junit, [str(rel)], str(rel))
+        ray_tmp = jobs_out / f"r{i}"  # short: Ray's socket paths (at most 107 bytes) live under it
+        ray_tmp.mkdir()
+        try:
+            _pytest(src, {**env, "RAY_TMPDIR": str(ray_tmp)}, junit, [str(rel)], str(rel))
+        finally:
+            if starts_ray:  # Ray leaves daemons behind when a test file dies; never let one leak into the next file
+                _ray_stop(ray_tmp)
         p, fl = _passed_ids(junit)
-        passed |= p
-        failed |= fl
         # this file's own time; the whole suite's is printed once, after the loop
         print(f"[backend-tests] {i}/{len(alone)} alone ({why}) {rel}: {len(p)} passed, {len(fl)} failed "
               f"in {time.time() - t_file:.0f}s", flush=True)
-        # Ray leaves daemons behind when a test file dies; never let one leak into the next file.
-        if starts_ray:
-            _ray_stop(env)
+        return p, fl
+
+    # one at a time: two side by side took as long and ~20 % more CPU on 2 cores (2026-11-27: 177 s, 310 CPU-s
+    # against 178 s, 260): each file's Ray already keeps the cores busy
+    for i, (f, why, starts_ray) in enumerate(alone, 1):
+        p, fl = run_alone(i, f, why, starts_ray)
+        passed |= p
+        failed |= fl
     n_ray = sum(starts_ray for *_, starts_ray in alone)
     print(f"[backend-tests] {len(files)} files in {time.time() - t0:.0f}s ({len(together)} in one xdist session, "
-          f"{len(alone)} alone: {n_ray} with Ray and `ray stop` after each)", flush=True)
+          f"{len(alone)} alone: {n_ray} with Ray, stopped after each)", flush=True)
     return passed, failed
 
 

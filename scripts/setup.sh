@@ -22,9 +22,11 @@ PY="$VENV/bin/python"
 # megatron-core's setup.py runs a bare `python3 -m pybind11`: the venv must come first on PATH.
 PATH="$(cd "$VENV/bin" && pwd):$PATH"
 export PATH
+# --no-compile: pip byte-compiles what it installs one file at a time (~77 CPU-s for this venv's ~29k modules, a third
+# of setup); the end of this script compiles site-packages and the editable trees on every core at once instead.
 pip_install() {
   local rc=0
-  "$PY" -m pip install $PIP_Q "$@" > >(grep -v "is ignored: it is neither" || true) 2>&1 || rc=$?
+  "$PY" -m pip install $PIP_Q --no-compile "$@" > >(grep -v "is ignored: it is neither" || true) 2>&1 || rc=$?
   wait
   if [ "$rc" -ne 0 ]; then echo "[setup] ERROR: pip install $* failed (exit $rc)" >&2; return "$rc"; fi
 }
@@ -110,12 +112,16 @@ if [ "${SETUP_EXTRAS:-}" = "gpu" ]; then
   "$PY" -m dsv3_rl.mcore.te_env --te-only | sed 's/^/[setup] /'
 fi
 
-# Bytecode of the editable trees (backends/*, dsv3_rl): pip compiles what it installs into site-packages, not an
-# editable source tree, and where PYTHONDONTWRITEBYTECODE is set (this project's CI and development machines set it)
-# no process ever writes it: every process compiled megatron-core / verl / dsv3_rl again on import (0.3-1 s of CPU a
-# process; a GRPO launch starts ~25, `make test` hundreds). compileall writes __pycache__ whatever that variable
-# says (~2 s); an edited file is recompiled on import as before (timestamps). docs/ci.md, issue 28.
-say "compiling the bytecode of the editable trees (backends/*, dsv3_rl)"
+# Bytecode: where PYTHONDONTWRITEBYTECODE is set (this project's CI and development machines set it) no process
+# writes it, so every process would compile what it imports again on each start (0.3-1.6 s of CPU a process; a GRPO
+# launch starts ~25, `make test` hundreds). pip installs above without compiling (--no-compile); here compileall
+# writes __pycache__ whatever that variable says, on every core (-j 0): site-packages (~40 s on 2 cores, where pip
+# took ~77 s on one) and the editable trees (backends/*, dsv3_rl), which pip never compiles. An edited file is
+# recompiled on import as before (timestamps). A file of a package that does not compile (test data, another
+# Python's syntax) is skipped, as pip skips it. docs/ci.md, issue 28.
+say "compiling bytecode on every core: site-packages and the editable trees (backends/*, dsv3_rl)"
+site=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+"$PY" -m compileall -q -j 0 "$site" > /dev/null 2>&1 || true
 "$PY" -m compileall -q -j 0 backends/megatron-core-*/megatron backends/verl-*/verl dsv3_rl > /dev/null
 
 "$PY" - <<'PYEOF'

@@ -155,7 +155,13 @@ def run_ids(env_entry: str | None = None) -> set[str]:
 
 def run_processes(run_id: str) -> list[int]:
     """PIDs of live processes whose environment carries ``DSV3_RUN_ID=run_id`` (this process excluded)."""
-    needle = f"{RUN_ID_ENV}={run_id}".encode()
+    return processes_with(f"{RUN_ID_ENV}={run_id}")
+
+
+def processes_with(env_entry: str) -> list[int]:
+    """PIDs of live processes whose environment has the exact entry ENV_ENTRY (``"NAME=value"``; this process
+    excluded): what one launch, or one test's Ray (its ``RAY_TMPDIR``), started, whatever they renamed themselves."""
+    needle = env_entry.encode()
     me, out = os.getpid(), []
     for d in os.listdir("/proc"):
         if not d.isdigit() or int(d) == me:

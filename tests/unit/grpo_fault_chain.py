@@ -61,6 +61,8 @@ class Chain:
     """the global_step_N directories left after invocation 2"""
     leftover: set[str]
     """run markers of the chain with processes still alive after invocations 1 and 2"""
+    run_ids: set[str]
+    """the run marker of every main_ppo attempt of the chain (``_Markers``): its processes, and no other run's"""
     third: subprocess.CompletedProcess
     engine_processes: dict[str, int]
     """vLLM processes of the run when the trainer worker was killed (every process up): ``{"EngineCore": n,
@@ -92,6 +94,28 @@ def _kill9(pattern: str, log_dir: Path) -> int:
     assert victims, f"no process matching {pattern!r} in the run"
     os.kill(victims[0], signal.SIGKILL)
     return victims[0]
+
+
+class _Markers(threading.Thread):
+    """Collects the run marker of every main_ppo attempt the launcher records in LOG_DIR/.dsv3-launch.json (each
+    attempt gets its own; an attempt lasts a minute or more, the file is read every 0.2 s). The chain's
+    no-process-left checks ask for these runs' processes only: another run on the machine (the other e2e lane)
+    is not the chain's to judge, and no environment entry is on every process of a run (Ray starts some of them
+    without the launcher's LOG_DIR)."""
+
+    def __init__(self, log_dir: Path):
+        super().__init__(daemon=True)
+        self.log_dir, self.seen, self.done = log_dir, set(), threading.Event()
+
+    def run(self):
+        while not self.done.wait(0.2):
+            rid = _run_id(self.log_dir)
+            if rid:
+                self.seen.add(rid)
+
+    def alive(self) -> set[str]:
+        """the markers seen so far with a process still carrying them"""
+        return {r for r in self.seen if monitor.run_processes(r)}
 
 
 def _watched(cmd: list[str], env: dict[str, str]):
@@ -141,7 +165,8 @@ def run_chain(tmp: Path, work: Path) -> Chain:
     env.update(WORK_DIR=str(work), CKPT_DIR=str(ck), LOG_DIR=str(logs))
     cmd = ["bash", str(LAUNCHER), "--preset", str(preset), "--quiet"]
     longer = [*cmd, f"trainer.total_training_steps={LONGER}"]
-    before = monitor.run_ids()  # runs of someone else on this machine, not ours to judge
+    markers = _Markers(logs)
+    markers.start()
     events: list[str] = []
     log = Path(os.environ.get("DSV3_FAULT_LOG", tmp / "faults.log"))
 
@@ -181,14 +206,16 @@ def run_chain(tmp: Path, work: Path) -> Chain:
     finally:
         _finish(proc, 120)
     second = "".join(lines)
-    leftover = monitor.run_ids() - before
+    leftover = markers.alive()
     saved = sorted(int(p.name.split("_")[-1]) for p in ck.glob("global_step_*") if p.name.split("_")[-1].isdigit())
     with open(log, "a") as f:
         f.write(f"\n===== {events[-2]}; extended to {LONGER} steps =====\n{second}\n{events[-1]}\n")
 
     # invocation 3: the same command again
     third = subprocess.run(longer, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
+    markers.done.set()
+    markers.join(timeout=5)
     with open(log, "a") as f:
         f.write(f"\n===== the same command again =====\n{third.stdout}{third.stderr}")
     return Chain(ck, logs, first, first_rc, first_report, events, shard, second, proc.returncode, saved, leftover,
-                 third, engines)
+                 markers.seen, third, engines)

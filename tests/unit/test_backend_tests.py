@@ -1,7 +1,7 @@
 """dsv3_rl.backend_tests: which upstream test files need Ray, and the runner that groups the others.
 
 The split decides which files share one pytest-xdist process (no Ray) and which get a process of their
-own followed by ``ray stop`` (Ray). Each property is a ``_check_*`` run against the real code (must pass)
+own, after which its own Ray is stopped (Ray). Each property is a ``_check_*`` run against the real code (must pass)
 and against a planted-fault twin (must fail). References are independent of the AST classifier: a
 regex over the file's text for verl's tree, hand-written expectations for the synthetic sources, and
 hand-written test ids for the runner (the ids a one-file-per-process pytest run gives, i.e. the
@@ -10,6 +10,7 @@ baseline's form).
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -110,10 +111,10 @@ FILES = {
                              "    @pytest.mark.parametrize('n', [1, 2])\n    def test_p(self, n):\n        pass\n",
     # a file that cannot be imported must not stop the other files of its process
     "tests/broken_on_cpu.py": "raise ImportError('planted collection error')\n",
-    # named as a Ray file (its fixture) but starts none: runs alone, `ray stop` after it
+    # named as a Ray file (its fixture) but starts none: runs alone, its Ray stopped after it
     "tests/sub/c_on_cpu.py": "import pytest\n\n@pytest.fixture\ndef ray_init_shutdown():\n    yield\n\n"
                              "def test_c(ray_init_shutdown):\n    pass\n",
-    # in RUN_ALONE (the test sets it): alone, no `ray stop` after it
+    # in RUN_ALONE (the test sets it): alone, no Ray stop after it
     "tests/sub/d_on_cpu.py": "def test_d():\n    pass\n",
     "tests/not_a_cpu_test.py": "def test_never_collected():\n    pass\n",
 }
@@ -131,7 +132,7 @@ def _tree(root: Path, files: dict[str, str]) -> Path:
 
 def _run(tmp_path: Path, files: dict[str, str], monkeypatch) -> tuple[set[str], set[str], list[str]]:
     stops = []
-    monkeypatch.setattr(bt, "_ray_stop", lambda env: stops.append(1))  # never the machine's other Ray clusters
+    monkeypatch.setattr(bt, "_ray_stop", lambda ray_tmp: stops.append(ray_tmp))  # a fake Ray file starts none
     monkeypatch.setattr(bt, "RUN_ALONE", {"tests/sub/d_on_cpu.py": "planted reason"})
     src = _tree(tmp_path / "src", files)
     (tmp_path / "jobs").mkdir()
@@ -144,7 +145,7 @@ def test_runner_groups_files_and_keeps_one_process_ids(tmp_path, monkeypatch, ca
     out = capsys.readouterr().out
     assert passed == PASSED
     assert failed == {"tests.a_on_cpu::test_a3", "::tests.broken_on_cpu"}  # the latter: its collection error
-    assert len(stops) == 1, "ray stop after the one Ray file only (not after the group, not after d)"
+    assert len(stops) == 1, "Ray stopped after the one Ray file only (not after the group, not after d)"
     assert "3 files without Ray: 5 passed, 2 failed" in out, out
     for line in ("tests/a_on_cpu.py: 2 passed, 1 failed", "tests/broken_on_cpu.py: 0 passed, 1 failed",
                  "tests/sub/b_on_cpu.py: 3 passed, 0 failed"):
@@ -173,3 +174,37 @@ def test_ray_itself_puts_its_session_where_the_guard_looks(tmp_path, monkeypatch
     assert bt.needs_ray(sneaky) is None
     with pytest.raises(BackendError, match="started a Ray session"):
         _run(tmp_path, {"tests/__init__.py": "", "tests/sneaky_on_cpu.py": sneaky}, monkeypatch)
+
+
+def test_a_ray_file_s_leftover_ray_is_stopped_and_no_other(tmp_path):
+    """A Ray file that dies without ray.shutdown() leaves processes behind: the runner kills every process
+    carrying that file's private RAY_TMPDIR, and nothing else: a process of another Ray (another RAY_TMPDIR: a GRPO
+    run or another file beside it) lives on (twin; `ray stop --force` stopped it). A real one-CPU Ray, ~10 s."""
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+
+    from dsv3_rl.launch.monitor import processes_with
+
+    # Ray's own leftovers die within ~2 s of their driver here; the detached sleeper stands for one that does not
+    dying = ("import os\nimport subprocess\nimport sys\nimport ray\n\ndef test_dies_with_ray_up():\n"
+             "    ray.init(num_cpus=1, include_dashboard=False)\n"
+             "    subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], start_new_session=True)\n"
+             "    os._exit(0)\n")
+    src = _tree(tmp_path / "src", {"tests/__init__.py": "", "tests/dying_on_cpu.py": dying})
+    jobs = Path(tempfile.mkdtemp(prefix="bt-", dir="/tmp"))  # short, as main()'s: Ray's socket paths live under it
+    other = tmp_path / "other-ray"
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
+                                 env={**os.environ, "RAY_TMPDIR": str(other)})
+    try:
+        # the file died inside its test (no report), after its Ray was up under its private RAY_TMPDIR
+        assert bt.run_suite(src, src, jobs) == (set(), set())
+        ours = jobs / "r1"
+        assert list(ours.glob("ray/session_2*/sockets/raylet")), "the file's Ray did not come up under its RAY_TMPDIR"
+        assert processes_with(f"RAY_TMPDIR={ours}") == []
+        assert processes_with(f"RAY_TMPDIR={other}") == [bystander.pid] and bystander.poll() is None
+    finally:
+        bystander.kill()
+        bystander.wait()
+        shutil.rmtree(jobs, ignore_errors=True)

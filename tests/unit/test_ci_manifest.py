@@ -141,12 +141,16 @@ if __name__ == "__main__":
 # ------------------------------------------------------------------ the editable trees' bytecode (scripts/setup.sh)
 
 def bytecode_sample() -> list[Path]:
-    """One module of each editable tree that every GRPO process imports (backend trees as backends.lock names them)."""
+    """One module of each editable tree that every GRPO process imports (backend trees as backends.lock names them),
+    and two of site-packages (pip installs with --no-compile; setup compiles them)."""
     from dsv3_rl.backends import load_lock
 
+    import importlib.util
+
     lock = load_lock()
+    site = [Path(importlib.util.find_spec(m).origin) for m in ("torch", "transformers")]  # pip installs them uncompiled
     return [lock["megatron-core"].path() / "megatron/core/parallel_state.py", lock["verl"].path() / "verl/protocol.py",
-            REPO / "dsv3_rl/errors.py"]
+            REPO / "dsv3_rl/errors.py", *site]
 
 
 def missing_bytecode(files) -> list[Path]:
@@ -157,8 +161,9 @@ def missing_bytecode(files) -> list[Path]:
 
 
 def test_setup_compiled_the_editable_trees():
-    """`make setup` compiles backends/* and dsv3_rl (compileall): pip does not compile an editable tree, and where
-    PYTHONDONTWRITEBYTECODE is set (CI) no process would, so each one compiled them again (docs/ci.md)."""
+    """`make setup` compiles site-packages, backends/* and dsv3_rl (compileall on every core): pip installs without
+    compiling and never compiles an editable tree, and where PYTHONDONTWRITEBYTECODE is set (CI) no process would, so
+    each one compiled them again (docs/ci.md)."""
     assert missing_bytecode(bytecode_sample()) == [], "run `make setup` (scripts/setup.sh compiles them)"
 
 

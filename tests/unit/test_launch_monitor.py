@@ -146,3 +146,38 @@ def test_pss_is_sampled_every_pss_every_s_not_every_poll(tmp_path, monkeypatch):
     assert monitor.PSS_EVERY_S >= 10
     assert _pss_samples(tmp_path / "a", monkeypatch, monitor.PSS_EVERY_S) == 1
     assert _pss_samples(tmp_path / "b", monkeypatch, 1.0) >= 4  # twin
+
+
+def test_fault_chain_judges_the_processes_of_its_own_attempts_only(tmp_path):
+    """The fault chain's no-process-left checks (tests/unit/grpo_fault_chain.py ``_Markers``) ask for the runs whose
+    markers its launcher recorded, one per main_ppo attempt: a live process of a recorded attempt is found, a live
+    process of another run on the machine (the other e2e lane) is not (twin), and a finished attempt is not."""
+    from grpo_fault_chain import _Markers
+
+    from dsv3_rl.launch import workdir
+
+    record = tmp_path / workdir.RECORD
+    ours, other = f"chain-{os.getpid()}", f"other-lane-{os.getpid()}"
+    procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                              env={**os.environ, monitor.RUN_ID_ENV: rid}) for rid in (ours, other)]
+    markers = _Markers(tmp_path)
+    markers.start()
+    try:
+        for rid in (ours, "finished-attempt"):
+            record.write_text(json.dumps({"pid": os.getpid(), "run_id": rid}))
+            deadline = time.monotonic() + 10
+            while rid not in markers.seen and time.monotonic() < deadline:
+                time.sleep(0.05)
+        deadline = time.monotonic() + 10
+        while ours not in markers.alive() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert markers.seen == {ours, "finished-attempt"}
+        assert markers.alive() == {ours}  # not the other run's process, not the attempt without one
+        procs[0].kill()
+        procs[0].wait()
+        assert markers.alive() == set()
+    finally:
+        markers.done.set()
+        for p in procs:
+            p.kill()
+            p.wait()
