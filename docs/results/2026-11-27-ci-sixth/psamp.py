@@ -1,6 +1,9 @@
 """Sample every process's CPU (utime+stime) every 1 s until a file /tmp/s7/stop exists; at the end, per process:
-its total CPU, split at the moment the file /tmp/s7/mark appeared (start-up vs steps). Output JSON lines."""
-import os, time, json, sys
+its total CPU, split at the moment the file /tmp/s7/mark appeared (start-up vs steps). Writes one JSON file (argv[1]). Used for docs/ci.md "Sixth pass"."""
+import os
+import time
+import json
+import sys
 HZ = os.sysconf('SC_CLK_TCK')
 seen = {}  # pid -> dict(cmd, first, last, at_mark)
 mark_t = None
