@@ -1,39 +1,59 @@
-"""Sample every process's CPU (utime+stime) every 1 s until a file /tmp/s7/stop exists; at the end, per process:
-its total CPU, split at the moment the file /tmp/s7/mark appeared (start-up vs steps). Writes one JSON file (argv[1]). Used for docs/ci.md "Sixth pass"."""
-import os
-import time
+"""Sample every process's CPU (utime + stime) each second until /tmp/s7/stop exists, then write one JSON file
+(argv[1]): per pid its command line, CPU when first and last seen, CPU when /tmp/s7/mark appeared (step 1's progress
+line: start-up vs steps) and when it was born. Used for docs/ci.md "Sixth pass"."""
+
 import json
+import os
 import sys
-HZ = os.sysconf('SC_CLK_TCK')
-seen = {}  # pid -> dict(cmd, first, last, at_mark)
-mark_t = None
-def snap():
+import time
+
+HZ = os.sysconf("SC_CLK_TCK")
+
+
+def cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")[:200]
+    except OSError:
+        return "?"
+
+
+def snap() -> dict[int, float]:
     out = {}
-    for d in os.listdir('/proc'):
-        if not d.isdigit(): continue
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
         try:
-            st = open(f'/proc/{d}/stat').read()
-            rest = st[st.rindex(')')+2:].split()
-            cpu = (int(rest[11]) + int(rest[12])) / HZ
-            out[int(d)] = cpu
-        except Exception:
-            pass
+            with open(f"/proc/{d}/stat") as f:
+                rest = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[int(d)] = (int(rest[11]) + int(rest[12])) / HZ
     return out
-t0 = time.time()
-while not os.path.exists('/tmp/s7/stop'):
-    if mark_t is None and os.path.exists('/tmp/s7/mark'):
-        mark_t = time.time()
-        for p in seen.values(): p['at_mark'] = p['last']
-    for pid, cpu in snap().items():
-        p = seen.get(pid)
-        if p is None:
-            try: cmd = open(f'/proc/{pid}/cmdline','rb').read().replace(b'\0',b' ').decode(errors='replace')[:200]
-            except Exception: cmd = '?'
-            p = seen[pid] = dict(cmd=cmd, first=cpu, last=cpu, at_mark=None, born=time.time()-t0)
-            if mark_t is not None: p['at_mark'] = 0.0 if p['born']>0 else cpu
-        p['last'] = cpu
-        if p['cmd'] in ('', '?') or 'default_worker' in p['cmd'] or p['cmd'].startswith('ray::IDLE'):
-            try: p['cmd'] = open(f'/proc/{pid}/cmdline','rb').read().replace(b'\0',b' ').decode(errors='replace')[:200] or p['cmd']
-            except Exception: pass
-    time.sleep(1.0)
-json.dump(dict(mark=mark_t and mark_t-t0, procs=seen), open(sys.argv[1],'w'))
+
+
+def main() -> None:
+    seen: dict[int, dict] = {}
+    mark_t, t0 = None, time.time()
+    while not os.path.exists("/tmp/s7/stop"):
+        if mark_t is None and os.path.exists("/tmp/s7/mark"):
+            mark_t = time.time()
+            for p in seen.values():
+                p["at_mark"] = p["last"]
+        for pid, cpu in snap().items():
+            p = seen.get(pid)
+            if p is None:
+                born = time.time() - t0
+                p = seen[pid] = dict(cmd=cmdline(pid), first=cpu, last=cpu, at_mark=None, born=born)
+                if mark_t is not None:
+                    p["at_mark"] = 0.0
+            p["last"] = cpu
+            if p["cmd"] in ("", "?") or "default_worker" in p["cmd"] or p["cmd"].startswith("ray::IDLE"):
+                p["cmd"] = cmdline(pid) or p["cmd"]  # Ray renames a worker once it holds an actor
+        time.sleep(1.0)
+    with open(sys.argv[1], "w") as f:
+        json.dump(dict(mark=mark_t and mark_t - t0, procs=seen), f)
+
+
+if __name__ == "__main__":
+    main()
