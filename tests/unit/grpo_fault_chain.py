@@ -167,55 +167,56 @@ def run_chain(tmp: Path, work: Path) -> Chain:
     longer = [*cmd, f"trainer.total_training_steps={LONGER}"]
     markers = _Markers(logs)
     markers.start()
-    events: list[str] = []
-    log = Path(os.environ.get("DSV3_FAULT_LOG", tmp / "faults.log"))
-
-    # invocation 1: a trainer worker in the middle of step 3 (step 2 logged and checkpointed), then a vLLM engine
-    # once step 4 is logged (the run notices when it next uses that engine)
-    proc, lines, wait_for, seen = _watched(cmd, env)
     try:
-        wait_for(lambda: seen(f"step {SAVE}/{STEPS}"))
-        time.sleep(2)
-        engines = {p: len(_pids(p, _run_id(logs))) for p in ("EngineCore", "VLLM::Worker")}
-        events.append(f"killed ray::WorkerDict pid {_kill9(r'ray::WorkerDict', logs)}")
-        wait_for(lambda: seen("RESTART 1/2"))
-        mark = len(lines)
-        wait_for(lambda: seen(f"step {2 * SAVE}/{STEPS}", mark))
-        time.sleep(1)
-        events.append(f"killed EngineCore pid {_kill9(r'EngineCore', logs)}")
-    finally:
-        _finish(proc, 1800)
-    first, first_rc = "".join(lines), proc.returncode
-    first_report = json.loads((logs / "report.json").read_text()) if (logs / "report.json").is_file() else {}
-    log.write_text(first + "\n" + "\n".join(events) + "\n")
-    assert first_rc == 0, first[-5000:]  # the rest of the chain needs a finished run
+        events: list[str] = []
+        log = Path(os.environ.get("DSV3_FAULT_LOG", tmp / "faults.log"))
 
-    # invocation 2: step STEPS's checkpoint damaged, the run extended; SIGTERM once step K is checkpointed again
-    # and logged (a step's line is printed once the next step's record is there: step K+1 is being trained)
-    shard = sorted((ck / f"global_step_{STEPS}" / "actor" / "model" / "dist_ckpt").glob("*.distcp"))[0]
-    data = shard.read_bytes()
-    shard.write_bytes(data[: len(data) // 2])
-    events.append(f"truncated {shard} to {len(data) // 2} of {len(data)} bytes")
-    proc, lines, wait_for, seen = _watched(longer, env)
-    try:
-        wait_for(lambda: seen("resuming from the previous complete checkpoint"))
-        mark = len(lines)
-        wait_for(lambda: seen(f"step {K}/{LONGER}", mark) and ckpt.tracker_step(ck) == K)
-        proc.send_signal(signal.SIGTERM)
-        events.append(f"SIGTERM to the launcher (pid {proc.pid}) during step {K + 2}")
-    finally:
-        _finish(proc, 120)
-    second = "".join(lines)
-    leftover = markers.alive()
-    saved = sorted(int(p.name.split("_")[-1]) for p in ck.glob("global_step_*") if p.name.split("_")[-1].isdigit())
-    with open(log, "a") as f:
-        f.write(f"\n===== {events[-2]}; extended to {LONGER} steps =====\n{second}\n{events[-1]}\n")
+        # invocation 1: a trainer worker in the middle of step 3 (step 2 logged and checkpointed), then a vLLM engine
+        # once step 4 is logged (the run notices when it next uses that engine)
+        proc, lines, wait_for, seen = _watched(cmd, env)
+        try:
+            wait_for(lambda: seen(f"step {SAVE}/{STEPS}"))
+            time.sleep(2)
+            engines = {p: len(_pids(p, _run_id(logs))) for p in ("EngineCore", "VLLM::Worker")}
+            events.append(f"killed ray::WorkerDict pid {_kill9(r'ray::WorkerDict', logs)}")
+            wait_for(lambda: seen("RESTART 1/2"))
+            mark = len(lines)
+            wait_for(lambda: seen(f"step {2 * SAVE}/{STEPS}", mark))
+            time.sleep(1)
+            events.append(f"killed EngineCore pid {_kill9(r'EngineCore', logs)}")
+        finally:
+            _finish(proc, 1800)
+        first, first_rc = "".join(lines), proc.returncode
+        first_report = json.loads((logs / "report.json").read_text()) if (logs / "report.json").is_file() else {}
+        log.write_text(first + "\n" + "\n".join(events) + "\n")
+        assert first_rc == 0, first[-5000:]  # the rest of the chain needs a finished run
 
-    # invocation 3: the same command again
-    third = subprocess.run(longer, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
-    markers.done.set()
-    markers.join(timeout=5)
-    with open(log, "a") as f:
-        f.write(f"\n===== the same command again =====\n{third.stdout}{third.stderr}")
-    return Chain(ck, logs, first, first_rc, first_report, events, shard, second, proc.returncode, saved, leftover,
-                 markers.seen, third, engines)
+        # invocation 2: step STEPS's checkpoint damaged, the run extended; SIGTERM once step K is checkpointed again
+        # and logged (a step's line is printed once the next step's record is there: step K+1 is being trained)
+        shard = sorted((ck / f"global_step_{STEPS}" / "actor" / "model" / "dist_ckpt").glob("*.distcp"))[0]
+        data = shard.read_bytes()
+        shard.write_bytes(data[: len(data) // 2])
+        events.append(f"truncated {shard} to {len(data) // 2} of {len(data)} bytes")
+        proc, lines, wait_for, seen = _watched(longer, env)
+        try:
+            wait_for(lambda: seen("resuming from the previous complete checkpoint"))
+            mark = len(lines)
+            wait_for(lambda: seen(f"step {K}/{LONGER}", mark) and ckpt.tracker_step(ck) == K)
+            proc.send_signal(signal.SIGTERM)
+            events.append(f"SIGTERM to the launcher (pid {proc.pid}) during step {K + 2}")
+        finally:
+            _finish(proc, 120)
+        second = "".join(lines)
+        leftover = markers.alive()
+        saved = sorted(int(p.name.split("_")[-1]) for p in ck.glob("global_step_*") if p.name.split("_")[-1].isdigit())
+        with open(log, "a") as f:
+            f.write(f"\n===== {events[-2]}; extended to {LONGER} steps =====\n{second}\n{events[-1]}\n")
+
+        # invocation 3: the same command again
+        third = subprocess.run(longer, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
+        with open(log, "a") as f:
+            f.write(f"\n===== the same command again =====\n{third.stdout}{third.stderr}")
+        return Chain(ck, logs, first, first_rc, first_report, events, shard, second, proc.returncode, saved, leftover,
+                     markers.seen, third, engines)
+    finally:
+        markers.done.set()  # also when an invocation's assertion failed
