@@ -17,6 +17,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 MANIFEST = REPO / "tests" / "assets" / "ci-checks.txt"
 TWIN = re.compile(r"fault|twin|planted", re.IGNORECASE)
@@ -45,6 +47,7 @@ def missing(manifest: list[str], now: list[str]) -> list[str]:
     return [i for i in manifest if i not in have]
 
 
+@pytest.mark.slow  # 10-26 s on 2 cores: out of the developer loop (make test-fast < 5 min, issue 28)
 def test_every_manifest_check_is_still_collected():
     listed = read_manifest()
     now, out = collected()
@@ -202,6 +205,7 @@ def _lanes():
     return E2E_LANE_2, e2e_lane
 
 
+@pytest.mark.slow  # the whole suite's collection (~17 s on 2 cores), as the test above: out of make test-fast
 def test_e2e_lanes_split_the_e2e_tests_and_name_tests_that_exist():
     """`make test E2E_LANES=2` runs the e2e tests in two lanes side by side (tests/conftest.py): lane 2 is what E2E_LANE_2
     names, lane 1 everything else. Each name must match a collected test (else lane 2 shrinks unseen and lane 1

@@ -128,6 +128,7 @@ def test_spec_switch_follows_the_model_builder_and_te_is_refused_in_one_line():
         resolve_spec("fast")
 
 
+@pytest.mark.slow  # 10-26 s on 2 cores: out of the developer loop (make test-fast < 5 min, issue 28)
 def test_cli_spec_te_without_te_is_one_line_exit_2():
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TORCHDYNAMO_DISABLE": "1"}
     for cmd in (["-m", "dsv3_rl.correctness", "run", "--spec", "te", "--layout", "tp1"],

@@ -139,6 +139,7 @@ def _pss_samples(tmp_path: Path, monkeypatch, every_s: float) -> int:
     return len(calls)
 
 
+@pytest.mark.slow  # 10-26 s on 2 cores: out of the developer loop (make test-fast < 5 min, issue 28)
 def test_pss_is_sampled_every_pss_every_s_not_every_poll(tmp_path, monkeypatch):
     """Reading smaps_rollup of a CPU run's ~30 processes costs ~0.3 s of CPU (issue 28): the watch loop polls every
     second but samples PSS every PSS_EVERY_S (10 s): a 4.5-s child is sampled once. Twin: at 1 s it is sampled

@@ -251,6 +251,7 @@ def _env(tmp_path: Path, **kw) -> dict[str, str]:
             "FAKE_STARTS": str(tmp_path / "starts"), "PYTHONPATH": os.pathsep.join(sys.path), **kw}
 
 
+@pytest.mark.slow  # 10-26 s on 2 cores: out of the developer loop (make test-fast < 5 min, issue 28)
 @pytest.mark.timeout(240)
 def test_killed_worker_restarts_from_the_last_checkpoint_then_finish_line(tmp_path, capsys):
     launch = _fake_launch(tmp_path, max_restarts=1)
@@ -270,6 +271,7 @@ def test_killed_worker_restarts_from_the_last_checkpoint_then_finish_line(tmp_pa
     assert (tmp_path / "starts").read_text().count("start") == starts
 
 
+@pytest.mark.slow  # 10-26 s on 2 cores: out of the developer loop (make test-fast < 5 min, issue 28)
 @pytest.mark.timeout(240)
 def test_a_step_checkpointed_but_not_logged_is_redone_after_a_restart(tmp_path, capsys):
     launch = _fake_launch(tmp_path, max_restarts=1)
@@ -299,6 +301,7 @@ def test_the_same_loss_at_the_same_step_twice_is_deterministic(tmp_path, capsys)
     assert out.count("RESTART") == 1 and "the same loss at the same step as before: not restarting" in out
 
 
+@pytest.mark.slow  # 10-26 s on 2 cores: out of the developer loop (make test-fast < 5 min, issue 28)
 @pytest.mark.timeout(240)
 def test_dead_engine_is_stopped_without_a_timeout_and_restarted(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(monitor, "LOST_GRACE_S", 2.0)
@@ -312,6 +315,7 @@ def test_dead_engine_is_stopped_without_a_timeout_and_restarted(tmp_path, capsys
     assert not monitor.run_ids(f"VERL_FILE_LOGGER_PATH={tmp_path / 'logs' / 'metrics.jsonl'}")
 
 
+@pytest.mark.slow  # 10-26 s on 2 cores: out of the developer loop (make test-fast < 5 min, issue 28)
 @pytest.mark.timeout(240)
 def test_truncated_latest_checkpoint_resumes_from_the_previous_one(tmp_path, capsys):
     launch = _fake_launch(tmp_path, max_restarts=0)
@@ -323,6 +327,7 @@ def test_truncated_latest_checkpoint_resumes_from_the_previous_one(tmp_path, cap
     assert "FAKE resumed from 2" in (tmp_path / "logs/main_ppo.log").read_text()
 
 
+@pytest.mark.slow  # 10-26 s on 2 cores: out of the developer loop (make test-fast < 5 min, issue 28)
 @pytest.mark.timeout(240)
 def test_disk_full_save_is_said_and_its_partial_checkpoint_never_resumed(tmp_path, capsys):
     launch = _fake_launch(tmp_path, max_restarts=1)

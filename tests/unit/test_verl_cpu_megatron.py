@@ -86,6 +86,7 @@ def test_export_planted_fault_swapped_experts(tiny_ckpt):
     assert all(".mlp.experts.0." in n or ".mlp.experts.1." in n for n in wrong), wrong
 
 
+@pytest.mark.slow  # 10-26 s on 2 cores: out of the developer loop (make test-fast < 5 min, issue 28)
 def test_export_pp2_equals_hf_with_one_exchange(tiny_ckpt):
     """verl patch 0035: at PP2 every exported tensor still equals the HF checkpoint's, and names and specs are
     exchanged once per export (one object all-gather of verl's meta_info), not per tensor (verl 0.9.1: two
@@ -97,6 +98,7 @@ def test_export_pp2_equals_hf_with_one_exchange(tiny_ckpt):
         assert r["collectives"]["broadcast"] >= r["n"] // 4, r  # the weights still travel between the stages
 
 
+@pytest.mark.slow  # 10-26 s on 2 cores: out of the developer loop (make test-fast < 5 min, issue 28)
 def test_export_pp2_planted_faults(tiny_ckpt):
     """Twins: swapped experts on PP stage 0 are seen in the PP2 export, and one call of verl's per-tensor name
     exchange is seen by the collective counter."""
