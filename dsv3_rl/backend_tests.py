@@ -196,7 +196,9 @@ def run_suite(src: Path, import_root: Path | None, jobs_out: Path) -> tuple[set[
             raise BackendError(f"a test file run without Ray started a Ray session ({started[0]}); "
                                f"make dsv3_rl.backend_tests.needs_ray see it, or add the file to RUN_ALONE")
 
-    def run_alone(i: int, f: Path, why: str, starts_ray: bool) -> tuple[set[str], set[str]]:
+    # one at a time: two side by side took as long and ~20 % more CPU on 2 cores (2026-11-27: 177 s, 310 CPU-s
+    # against 178 s, 260): each file's Ray already keeps the cores busy
+    for i, (f, why, starts_ray) in enumerate(alone, 1):
         rel = f.relative_to(src)
         t_file = time.time()
         junit = jobs_out / (str(rel).replace("/", "__") + ".xml")
@@ -208,17 +210,11 @@ def run_suite(src: Path, import_root: Path | None, jobs_out: Path) -> tuple[set[
             if starts_ray:  # Ray leaves daemons behind when a test file dies; never let one leak into the next file
                 _ray_stop(ray_tmp)
         p, fl = _passed_ids(junit)
+        passed |= p
+        failed |= fl
         # this file's own time; the whole suite's is printed once, after the loop
         print(f"[backend-tests] {i}/{len(alone)} alone ({why}) {rel}: {len(p)} passed, {len(fl)} failed "
               f"in {time.time() - t_file:.0f}s", flush=True)
-        return p, fl
-
-    # one at a time: two side by side took as long and ~20 % more CPU on 2 cores (2026-11-27: 177 s, 310 CPU-s
-    # against 178 s, 260): each file's Ray already keeps the cores busy
-    for i, (f, why, starts_ray) in enumerate(alone, 1):
-        p, fl = run_alone(i, f, why, starts_ray)
-        passed |= p
-        failed |= fl
     n_ray = sum(starts_ray for *_, starts_ray in alone)
     print(f"[backend-tests] {len(files)} files in {time.time() - t0:.0f}s ({len(together)} in one xdist session, "
           f"{len(alone)} alone: {n_ray} with Ray, stopped after each)", flush=True)

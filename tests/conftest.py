@@ -105,9 +105,8 @@ LONGEST_FILES = ("test_convert.py", "test_mcore_patches.py", "test_verl_cpu_mega
                  "test_verl_ckpt_restore.py", "test_launch_dryrun.py", "test_planner_validation.py")
 
 
-#: ``make test E2E_LANES=2`` runs the ``e2e`` GRPO runs in two pytest processes side by side (``--e2e-lane 1/2``, ``2/2``;
-#: not the default: the fault chain's no-process-left check counts every run on the machine, docs/ci.md "Fifth pass"):
-#: one launch leaves ~23 % of the two cores idle (its start-up is a chain of one process after another), two fill
+#: ``make test`` runs the ``e2e`` GRPO runs in two pytest processes side by side (``--e2e-lane 1/2``, ``2/2``;
+#: ``E2E_LANES=1``: one at a time; docs/ci.md "Fifth pass", "Sixth pass"): one launch leaves ~23 % of the two cores idle (its start-up is a chain of one process after another), two fill
 #: them (2026-11-27, 2-core box: the e2e phase 30:29 -> 24:53, peak memory used 19.6 of 23 GiB; docs/ci.md "Fifth
 #: pass"). Lane 2 is these tests (node-id prefixes, ~15 minutes alone), lane 1 every other e2e test: the fault
 #: chain and the flip/R3 run (session and module fixtures shared with the tests of their lane), the sound run.

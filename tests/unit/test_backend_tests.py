@@ -12,12 +12,17 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from dsv3_rl import backend_tests as bt
 from dsv3_rl.backends import BackendError, load_lock
+from dsv3_rl.launch.monitor import processes_with
 
 
 def _fails(check, *args) -> None:
@@ -180,13 +185,6 @@ def test_a_ray_file_s_leftover_ray_is_stopped_and_no_other(tmp_path):
     """A Ray file that dies without ray.shutdown() leaves processes behind: the runner kills every process
     carrying that file's private RAY_TMPDIR, and nothing else: a process of another Ray (another RAY_TMPDIR: a GRPO
     run or another file beside it) lives on (twin; `ray stop --force` stopped it). A real one-CPU Ray, ~10 s."""
-    import shutil
-    import subprocess
-    import sys
-    import tempfile
-
-    from dsv3_rl.launch.monitor import processes_with
-
     # Ray's own leftovers die within ~2 s of their driver here; the detached sleeper stands for one that does not
     dying = ("import os\nimport subprocess\nimport sys\nimport ray\n\ndef test_dies_with_ray_up():\n"
              "    ray.init(num_cpus=1, include_dashboard=False)\n"

@@ -146,9 +146,9 @@ if __name__ == "__main__":
 def bytecode_sample() -> list[Path]:
     """One module of each editable tree that every GRPO process imports (backend trees as backends.lock names them),
     and two of site-packages (pip installs with --no-compile; setup compiles them)."""
-    from dsv3_rl.backends import load_lock
-
     import importlib.util
+
+    from dsv3_rl.backends import load_lock
 
     lock = load_lock()
     site = [Path(importlib.util.find_spec(m).origin) for m in ("torch", "transformers")]  # pip installs them uncompiled
@@ -207,7 +207,7 @@ def _lanes():
 
 @pytest.mark.slow  # the whole suite's collection (~17 s on 2 cores), as the test above: out of make test-fast
 def test_e2e_lanes_split_the_e2e_tests_and_name_tests_that_exist():
-    """`make test E2E_LANES=2` runs the e2e tests in two lanes side by side (tests/conftest.py): lane 2 is what E2E_LANE_2
+    """`make test` runs the e2e tests in two lanes side by side (tests/conftest.py): lane 2 is what E2E_LANE_2
     names, lane 1 everything else. Each name must match a collected test (else lane 2 shrinks unseen and lane 1
     runs alone for longer); a test no name matches runs in lane 1, never in neither (twin below)."""
     lane_2, e2e_lane = _lanes()
