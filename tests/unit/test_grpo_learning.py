@@ -107,8 +107,12 @@ def _launch(work: Path, name: str, *args: str, preset: str = "tiny_cpu", **env) 
                           env=_env(work, name, **env), capture_output=True, text=True, timeout=1800)
 
 
-def _report(work: Path, name: str) -> dict[str, bool]:
+def _report(work: Path, name: str, r: subprocess.CompletedProcess) -> dict[str, bool]:
+    """The checks of run NAME's report.json by name; fails with the launch's last output (main_ppo's last log lines
+    among it) when the run never reached its checks (a run that failed before its end writes none)."""
     rep = json.loads((work / name / "logs" / "report.json").read_text())
+    assert rep["checks"], f"run {name} ended before its checks: {rep.get('run', {}).get('summary')}\n" + \
+        (r.stdout + r.stderr)[-6000:]
     return {c["name"]: c["ok"] for c in rep["checks"]}
 
 
@@ -174,7 +178,7 @@ def test_planted_fault_fails_the_run(work, short_preset, fault, request):
     out = r.stdout + r.stderr
     assert r.returncode == 1, out[-4000:]
     assert f"GRPO {name} FAILED" in out, out[-4000:]
-    checks = _report(work, fault)
+    checks = _report(work, fault, r)
     assert checks["learning"] is False, checks
     assert checks["steps"] and checks["finite rewards and log-probs"], checks  # the run itself completed
     # the rollout engine on stale weights is also seen by the consistency check; the other faults are not
@@ -233,6 +237,6 @@ def test_r3_router_replay_at_pp2(work, flip_pp2_run):
     _, r = flip_pp2_run
     out = r.stdout + r.stderr
     assert r.returncode in (0, 1), out[-4000:]  # the run completed and its checks ran (1: a check failed)
-    checks = _report(work, "flip_advantage_sign")
+    checks = _report(work, "flip_advantage_sign", r)
     assert checks["router replay (R3)"], checks
     assert out.count("routes agree 0.") == SHORT_STEPS, out[-3000:]
