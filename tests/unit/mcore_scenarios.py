@@ -111,7 +111,33 @@ def recompute_selective(cfg_dir: str, work: str) -> None:
     print(f"scenario recompute_selective: ok (max grad diff {worst:.1e})")
 
 
-SCENARIOS = {f.__name__: f for f in (build_and_train, rng_seed, sp_norm, dist_ckpt_save, te_spec, recompute_selective)}
+#: what `import megatron.core` used to load without using it (patch 0016): torch.compile's dynamo through jit_fuser,
+#: wandb through the inference context and the timers, tensorboard through the timers
+NOT_AT_IMPORT = ("torch._dynamo", "wandb", "tensorboard")
+
+
+def light_import(cfg_dir: str, work: str) -> None:
+    """A training process's megatron-core imports (GPTModel and its local spec, optimizer, dist checkpointing, the
+    pipeline schedules, timers) load none of NOT_AT_IMPORT; all are installed here, so their absence is the patch's."""
+    import importlib.util
+
+    missing = [m for m in NOT_AT_IMPORT if importlib.util.find_spec(m) is None]
+    assert not missing, f"{missing} not installed: this scenario cannot show what patch 0016 keeps out"
+    import megatron.core  # noqa: F401
+    import megatron.core.dist_checkpointing  # noqa: F401
+    import megatron.core.optimizer  # noqa: F401
+    import megatron.core.pipeline_parallel  # noqa: F401
+    import megatron.core.timers  # noqa: F401
+    from megatron.core.models.gpt import GPTModel  # noqa: F401
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: F401
+
+    loaded = [m for m in NOT_AT_IMPORT if m in sys.modules]
+    assert not loaded, f"importing megatron-core loaded {loaded}"
+    print("scenario light_import: ok")
+
+
+SCENARIOS = {f.__name__: f for f in (build_and_train, rng_seed, sp_norm, dist_ckpt_save, te_spec, recompute_selective,
+                                     light_import)}
 
 if __name__ == "__main__":
     name, cfg_dir = sys.argv[1], sys.argv[2]

@@ -163,6 +163,7 @@ NEEDED = [
     ("build_and_train", "0009-cpu-moe-token-dispatch.patch", "torch.cuda.Stream requires CUDA support"),
     ("dist_ckpt_save", "0010-cpu-dist-checkpointing.patch", "Torch not compiled with CUDA enabled"),
     ("recompute_selective", "0015-recompute-without-te-fp8-flag.patch", "FP8GlobalStateManager"),
+    ("light_import", "0016-import-without-compiling.patch", "importing megatron-core loaded ['torch._dynamo', 'wandb', 'tensorboard']"),
 ]
 
 
@@ -196,6 +197,34 @@ def test_local_spec_dsv3_trains_without_te(cfg_dir, tmp_path):
     r = run_scenario("build_and_train", cfg_dir, tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "loss" in r.stdout
+
+
+def test_jit_fuser_compiles_at_first_call(monkeypatch):
+    """Patch 0016: megatron's jit_fuser still torch.compiles what it decorates, once, at the first call instead of at
+    import (the light_import scenario and its twin show the import side); the fused functions compute what their
+    formulas say (megatron's tanh GeLU of x + bias against the formula written out here)."""
+    import megatron.core.jit as jit
+    from megatron.core.fusions.fused_bias_gelu import bias_gelu
+
+    assert jit.jit_fuser is jit.compile_on_first_call  # torch >= 2.2: the compiling fuser, not the no-op one
+    compiled = []
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, *a, **k: compiled.append(fn) or real(fn, *a, **k))
+
+    @jit.jit_fuser
+    def scaled_sum(x, y):
+        return 2 * x + y
+
+    assert compiled == []  # decorating compiles nothing
+    x, y = torch.randn(5), torch.randn(5)
+    torch.testing.assert_close(scaled_sum(x, y), 2 * x + y)
+    torch.testing.assert_close(scaled_sum(y, x), 2 * y + x)
+    assert compiled == [scaled_sum.__wrapped__]  # compiled at the first call, once
+
+    b, h = torch.randn(6, dtype=torch.float64), torch.randn(4, 6, dtype=torch.float64)
+    z = h + b
+    ref = 0.5 * z * (1 + torch.tanh(0.79788456 * (z + 0.044715 * z**3)))
+    torch.testing.assert_close(bias_gelu(b, h), ref)
 
 
 def test_cpu_rng_tracker_fork():
