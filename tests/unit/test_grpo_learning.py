@@ -116,6 +116,20 @@ def _report(work: Path, name: str, r: subprocess.CompletedProcess) -> dict[str, 
     return {c["name"]: c["ok"] for c in rep["checks"]}
 
 
+def test_a_run_that_ended_before_its_checks_fails_with_its_output(tmp_path):
+    """_report (no launch): a report.json without checks (main_ppo failed before the run's end) fails the test with
+    the run's summary line and the launch's output, main_ppo's last lines among it (CI of stop 36 died on a KeyError
+    instead); a report with checks gives them by name."""
+    logs = tmp_path / "x" / "logs"
+    logs.mkdir(parents=True)
+    r = subprocess.CompletedProcess([], 1, "[dsv3-grpo] main_ppo failed (exit 1); last lines:\nOSError: boom\n", "")
+    (logs / "report.json").write_text(json.dumps({"ok": False, "checks": [], "run": {"summary": "GRPO x FAILED: 0/8"}}))
+    with pytest.raises(AssertionError, match=r"run x ended before its checks: GRPO x FAILED: 0/8\n(.|\n)*OSError: boom"):
+        _report(tmp_path, "x", r)
+    (logs / "report.json").write_text(json.dumps({"ok": False, "checks": [{"name": "learning", "ok": False}]}))
+    assert _report(tmp_path, "x", r) == {"learning": False}
+
+
 def test_sound_short_run_passes(sound_run, short_preset):
     """The short preset without a fault passes every check, the learning gate included (the fault runs below
     fail it): the twins' other half, at the same length. From a finished demo: its report passed, and the gate
