@@ -12,6 +12,22 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   if [ -f /tmp/site/.dsv3-whl-done ] || { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
       --upgrade --target /tmp/site .whl/*.whl && touch /tmp/site/.dsv3-whl-done; }; then SITE=/tmp/site; fi
 fi
+# The offline environment of scripts/gpu-box.lock (vLLM, Ray, verl's engine dependencies, pydantic, transformers,
+# the math reward; Transformer Engine apart), installed once per box by `bash scripts/gpu_box.sh install`
+# (docs/gpu-setup.md): first on the path. Its TE goes on the path only with DSV3_GPU_TE=1.
+GPUBOX=${DSV3_GPUBOX:-/root/dsv3-env}
+if [ -f "$GPUBOX/DONE.json" ]; then
+  SITE="$GPUBOX/site${SITE:+:$SITE}"
+  case ":$PATH:" in *":$GPUBOX/site/bin:"*) ;; *) export PATH="$GPUBOX/site/bin:$PATH" ;; esac  # `ray` (multi-node)
+  if [ "${DSV3_GPU_TE:-0}" = 1 ]; then
+    SITE="$GPUBOX/te:$SITE"
+    # TE's NVRTC kernels need cuda_runtime.h at run time (it looks in /usr/local/cuda)
+    if [ ! -f /usr/local/cuda/include/cuda_runtime.h ] && [ -z "${NVTE_CUDA_INCLUDE_DIR:-}" ]; then
+      NVTE_CUDA_INCLUDE_DIR="$(python3 -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/nvidia/cu13/include"
+      export NVTE_CUDA_INCLUDE_DIR
+    fi
+  fi
+fi
 # backends/ is git-ignored: the device tool sends it only when carried. Without it every step would die on
 # "No module named 'megatron'" (and a must-fail twin would pass on that), so stop here, in one line.
 for b in backends/megatron-core-0.16.1/megatron backends/verl-0.9.1/verl; do

@@ -34,6 +34,10 @@ LOGPROB_KEYS = ("actor/pg_loss", "actor/ppo_kl")
 PROB_DIFF_MAX = "training/rollout_probs_diff_max"
 PROB_DIFF_MEAN = "training/rollout_probs_diff_mean"
 PEARSON = "training/rollout_actor_probs_pearson_corr"
+#: NeMo-RL's token_mult_prob_error: mean over response tokens of exp(|logp_vllm - logp_megatron|), 1.0 = identical
+#: (verl patch 0036). Reported beside our limits so the gap compares with NeMo-RL's, which gates it at < 1.05.
+TOKEN_MULT_PROB_ERROR = "training/rollout_token_mult_prob_error"
+NEMO_RL_TOKEN_MULT_PROB_ERROR_MAX = 1.05
 ENTROPY = "actor/entropy"
 #: the pearson limit judges a step whose policy entropy (nats per token, ENTROPY) is at least this: below it the
 #: sampled tokens' probabilities sit near 1, their spread collapses and one token's difference moves the correlation
@@ -191,12 +195,16 @@ def check_metrics(steps: list[dict[str, Any]], expected_steps: int, tol: dict[st
     maxes = [s.get(PROB_DIFF_MAX) for s in train if _finite(s.get(PROB_DIFF_MAX))]
     rs = [s.get(PEARSON) for s in judged if _finite(s.get(PEARSON))]
     low = len(train) - len(judged)
+    tmpe = [s.get(TOKEN_MULT_PROB_ERROR) for s in train if _finite(s.get(TOKEN_MULT_PROB_ERROR))]
+    nemo = (f"; NeMo-RL's token_mult_prob_error {min(tmpe):.4f}-{max(tmpe):.4f} (NeMo-RL gates < "
+            f"{NEMO_RL_TOKEN_MULT_PROB_ERROR_MAX})" if tmpe else "")
     out.append(Check("rollout == trainer every step", bool(train) and not worst,
                      ("; ".join(worst[:4]) + f" (limits: mean |p_vllm - p_megatron| <= {lim}, pearson >= {rmin})") if worst else
                      f"mean |p_vllm - p_megatron| <= {max(means):.3g} (<= {lim}) at all {len(train)} steps; "
                      + (f"pearson >= {min(rs):.4f} (>= {rmin}) at " if rs else "pearson at ")
                      + ("all of them" if not low else f"the {len(judged)} with policy entropy >= {PEARSON_MIN_ENTROPY}, "
-                        f"not judged at the {low} below (probabilities near 1)") + f"; max per token {max(maxes):.2g}"))
+                        f"not judged at the {low} below (probabilities near 1)") + f"; max per token {max(maxes):.2g}"
+                     + nemo))
     from dsv3_rl.grpo.off_policy import run_checks  # trainer_mode (staleness) and algorithm (DAPO) checks, issue 27
 
     out += run_checks(train, tol)

@@ -332,3 +332,46 @@ def test_step_checkpointed_but_not_logged_before_a_resume_is_excused(tmp_path):
     steps = [s for s in _good_steps() if s["step"] != 6]
     rep = checks.check_run(_write(tmp_path, steps), 8, None, None, None, TOL, resumed_from=4)  # twin: after it
     assert [c.name for c in rep.checks if not c.ok] == ["steps"]
+
+
+def test_token_mult_prob_error_is_nemo_rls_formula_over_response_tokens():
+    """verl patch 0036: training/rollout_token_mult_prob_error is NeMo-RL's token_mult_prob_error, the mean over the
+    response tokens of exp(|logp_rollout - logp_actor|), computed here independently in float64. Twins: identical
+    log-probs give exactly 1.0, and a huge gap on a masked (padding) token does not move it."""
+    import torch
+    from verl import DataProto
+    from verl.utils.debug.metrics import calculate_debug_metrics
+
+    g = torch.Generator().manual_seed(0)
+    actor = -torch.rand(4, 6, generator=g) * 3
+    rollout = actor + torch.randn(4, 6, generator=g) * 0.1
+    mask = torch.ones(4, 6, dtype=torch.long)
+    mask[1, 4:] = 0
+    mask[3, 2:] = 0
+
+    def metric(ro, ac, m):
+        d = DataProto.from_dict(tensors={"rollout_log_probs": ro, "old_log_probs": ac, "response_mask": m,
+                                         "responses": torch.zeros(4, 6, dtype=torch.long)})
+        return calculate_debug_metrics(d)[checks.TOKEN_MULT_PROB_ERROR]
+
+    sel = mask.bool()
+    ref = float(torch.exp((rollout.double() - actor.double()).abs()[sel]).mean())
+    assert metric(rollout, actor, mask) == pytest.approx(ref, rel=1e-6)
+    assert ref > 1.02  # the gap is visible: not the identity
+    assert metric(actor, actor, mask) == 1.0  # twin: no gap
+    far = rollout.clone()
+    far[3, 5] -= 50.0  # a padding token
+    assert metric(far, actor, mask) == pytest.approx(ref, rel=1e-6)
+    far[0, 0] -= 50.0  # twin: the same gap on a response token dominates the mean
+    assert metric(far, actor, mask) > 1e18
+
+
+def test_rollout_check_reports_token_mult_prob_error(tmp_path):
+    steps = _good_steps()
+    for s in steps[1:]:
+        s[checks.TOKEN_MULT_PROB_ERROR] = 1.01 + 0.001 * s["step"]
+    rep = checks.check_run(_write(tmp_path, steps), 8, None, None, None, TOL)
+    c = next(c for c in rep.checks if c.name == "rollout == trainer every step")
+    assert "token_mult_prob_error 1.0110-1.0180 (NeMo-RL gates < 1.05)" in c.detail, c.detail
+    rep = checks.check_run(_write(tmp_path, _good_steps()), 8, None, None, None, TOL)  # twin: not logged, not said
+    assert "token_mult_prob_error" not in next(c for c in rep.checks if c.name == "rollout == trainer every step").detail

@@ -4,8 +4,14 @@ source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 # Interface for NCCL's bootstrap and for Gloo (verl and Megatron create Gloo groups too). PAI-DLC and
 # Volcengine-style platforms name it in MLP_SOCKET_IFNAME; otherwise eth0 (bond0 on many bare-metal IB hosts).
-export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-${MLP_SOCKET_IFNAME:-eth0}}
-export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-${NCCL_SOCKET_IFNAME}}
+# A named interface that this host does not have is not set: NCCL and Gloo then pick one themselves (a single-node
+# box without eth0 would otherwise fail Gloo's "Unable to find address for: eth0" in every worker).
+_dsv3_if=${NCCL_SOCKET_IFNAME:-${MLP_SOCKET_IFNAME:-eth0}}
+if [ -n "${NCCL_SOCKET_IFNAME:-}" ] || [ -e "/sys/class/net/${_dsv3_if%%,*}" ]; then
+  export NCCL_SOCKET_IFNAME=$_dsv3_if
+  export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-${NCCL_SOCKET_IFNAME}}
+fi
+unset _dsv3_if
 # RDMA NICs: all mlx5 ports (prefix match). Restrict to the compute rail NICs if the host has others.
 export NCCL_IB_HCA=${NCCL_IB_HCA:-mlx5}
 # RoCE v2 needs GID index 3 on most clouds; plain InfiniBand ignores it.

@@ -2,8 +2,14 @@
 # job to override.
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
-export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-${MLP_SOCKET_IFNAME:-eth0}}
-export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-${NCCL_SOCKET_IFNAME}}
+# A named interface that this host does not have is not set: NCCL and Gloo then pick one themselves (a single-node
+# box without eth0 would otherwise fail Gloo's "Unable to find address for: eth0" in every worker).
+_dsv3_if=${NCCL_SOCKET_IFNAME:-${MLP_SOCKET_IFNAME:-eth0}}
+if [ -n "${NCCL_SOCKET_IFNAME:-}" ] || [ -e "/sys/class/net/${_dsv3_if%%,*}" ]; then
+  export NCCL_SOCKET_IFNAME=$_dsv3_if
+  export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-${NCCL_SOCKET_IFNAME}}
+fi
+unset _dsv3_if
 export NCCL_IB_HCA=${NCCL_IB_HCA:-mlx5}
 # RoCE: GID index 3 (RoCE v2), traffic class 136 and service level 5 = the lossless (PFC) queue that
 # Lingjun clusters reserve for RDMA; without them RDMA traffic shares the lossy queue.

@@ -1,0 +1,133 @@
+#!/usr/bin/env bash
+# The whole GRPO loop on the GPU box (Ray + verl main_ppo + Megatron + vLLM), through the launcher, unchanged.
+# The box reaches no registry: the environment comes as parts of the bundle of scripts/gpu-box.lock
+# (docs/gpu-setup.md), one part per device call, kept outside the work tree.
+#
+#   bash scripts/gpu_grpo.sh receive     # copy the carried .gpu-parts/* to $PARTS (once per part)
+#   bash scripts/gpu_grpo.sh install     # check + join + install them into $GPUBOX, then import vllm, ray, verl, TE
+#   bash scripts/gpu_grpo.sh tiny        # GPUs 0,1,2 side by side: tiny_1xH100 sound (12 steps), its flipped-advantage
+#                                        #   twin (6 steps, must FAIL), and a run whose EngineCore is killed after step 3
+#   bash scripts/gpu_grpo.sh proxy       # 4 GPUs: proxy_4xH100, whole GRPO steps (TE spec)
+#   bash scripts/gpu_grpo.sh twonode     # 4 GPUs as two Ray nodes of 2 GPUs (ray start --head / --address, node 0
+#                                        #   submits: the launcher's multi-node path, PAI-DLC variables)
+#   bash scripts/gpu_grpo.sh wait MODE [SECONDS]   # wait for MODE's runs (progress lines), then pack them
+#
+# tiny/proxy/twonode start their runs detached (setsid: they outlive the call), copy the work tree to
+# $RUNS/repo-MODE first (a later call's fresh copy of the tree cannot change a running run's code), wait up to
+# $WAIT_S seconds, and pack each run's log directory (report.json, metrics.jsonl, PNGs, main_ppo.log, the
+# launcher's output) into $OUT/MODE.tar.gz. `wait MODE` goes on waiting in the next call.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PARTS=${PARTS:-/root/dsv3-parts}
+export DSV3_GPUBOX=${DSV3_GPUBOX:-/root/dsv3-env}
+RUNS=${RUNS:-/root/dsv3-runs}
+OUT=${OUT:-out/gpu-grpo}
+WAIT_S=${WAIT_S:-540}
+mkdir -p "$OUT" "$RUNS"
+mode=${1:?mode: receive | install | tiny | proxy | twonode | wait MODE [SECONDS]}
+
+case $mode in
+  receive)
+    mkdir -p "$PARTS"
+    for f in .gpu-parts/*; do cp "$f" "$PARTS/"; echo "received $(basename "$f") ($(stat -c %s "$f") bytes)"; done
+    ls "$PARTS" | tr '\n' ' '; echo
+    exit 0 ;;
+  install)
+    t0=$SECONDS
+    python3 -m dsv3_rl.gpubox install "$PARTS" --target "$DSV3_GPUBOX" || exit $?
+    source scripts/gpu_env.sh
+    DSV3_GPU_TE=1 source scripts/gpu_env.sh
+    python3 - <<'PY'
+import time; t = time.time()
+import ray, vllm, transformers, pydantic, hydra, tensordict, math_verify, transfer_queue
+import verl.trainer.main_ppo, megatron.core
+import transformer_engine.pytorch as te
+print(f"imports ok ({time.time() - t:.1f} s): ray {ray.__version__}, vllm {vllm.__version__}, transformers "
+      f"{transformers.__version__}, TE {te.__version__ if hasattr(te, '__version__') else 'ok'}")
+PY
+    echo "install + import check: $((SECONDS - t0)) s"
+    exit 0 ;;
+esac
+
+# the bundle on PYTHONPATH (its Transformer Engine too for the proxy runs: the held-out check's TE spec), backends/
+# check, NVLink multicast off
+if [ "$mode" = proxy ] || [ "$mode" = twonode ] || [ "${2:-}" = proxy ] || [ "${2:-}" = twonode ]; then export DSV3_GPU_TE=1; fi
+source scripts/gpu_env.sh
+export PYTHON=python3
+
+pack() {  # pack MODE: every run of MODE's log dir + launcher output into $OUT/MODE.tar.gz
+  local m=$1
+  (cd "$RUNS" && tar czf "$OLDPWD/$OUT/$m.tar.gz" --exclude='*/ckpt' --exclude='*/models' --exclude='*/data' \
+      --exclude='*/tensorboard' --exclude='*/ray' $(ls -d "$m"-* 2>/dev/null | grep -v "^repo-") 2>/dev/null)
+  echo "packed $OUT/$m.tar.gz ($(stat -c %s "$OUT/$m.tar.gz" 2>/dev/null) bytes)"
+}
+
+status() {  # status MODE: one line per run; returns 0 when every run of MODE has ended
+  local m=$1 all=0 d
+  for d in "$RUNS/$m"-*/; do
+    [ -d "$d" ] || continue
+    local n; n=$(basename "$d"); [[ $n == repo-* ]] && continue
+    local last; last=$(grep -E "^\[dsv3-grpo\] (step|GRPO)|RESTART|FAILED|error:" "$d/launcher.log" 2>/dev/null | tail -n 1)
+    if [ -f "$d/rc" ]; then echo "  $n: exit $(cat "$d/rc"): $last"; else echo "  $n: running: $last"; all=1; fi
+  done
+  return $all
+}
+
+wait_for() {  # wait_for MODE SECONDS
+  local m=$1 lim=$2 t0=$SECONDS
+  while [ $((SECONDS - t0)) -lt "$lim" ]; do
+    if status "$m" >/dev/null; then break; fi
+    sleep 10
+  done
+  echo "=== $m after $((SECONDS - t0)) s:"; status "$m"; pack "$m"
+}
+
+start() {  # start MODE NAME GPUS PRESET [VAR=VALUE ...] -- [launcher args]
+  local m=$1 name=$2 gpus=$3 preset=$4; shift 4
+  local envs=() d="$RUNS/$m-$name"
+  while [ $# -gt 0 ] && [ "$1" != "--" ]; do envs+=("$1"); shift; done
+  [ "${1:-}" = "--" ] && shift
+  mkdir -p "$d"; rm -f "$d/rc"
+  local repo="$RUNS/repo-$m"
+  ( cd "$repo" && source scripts/gpu_env.sh && setsid env CUDA_VISIBLE_DEVICES="$gpus" WORK_DIR="$d/work" PYTHON=python3 "${envs[@]}" \
+      bash -c 'bash examples/deepseek_v3/run_mcore_deepseek_verl.sh --preset "$0" "$@"; echo $? > "'"$d"'/rc"' \
+      "$preset" "$@" > "$d/launcher.log" 2>&1 < /dev/null & )
+  echo "started $m-$name on GPU(s) $gpus: $preset $* ${envs[*]}"
+}
+
+snapshot() {  # copy the work tree (with the carried backends/) to $RUNS/repo-MODE
+  local repo="$RUNS/repo-$1"
+  rm -rf "$repo"; mkdir -p "$repo"
+  tar cf - --exclude=./.gpu-parts --exclude=./out --exclude=./.git . | (cd "$repo" && tar xf -)
+}
+
+nvidia-smi -L
+case $mode in
+  tiny)
+    snapshot tiny
+    start tiny sound 0 tiny_1xH100
+    start tiny flip 1 tiny_1xH100 DSV3_PLANT_FAULT=flip_advantage_sign -- trainer.total_training_steps=6
+    start tiny kill 2 tiny_1xH100
+    ( cd "$RUNS/repo-tiny" && setsid python3 scripts/kill_at_step.py "$RUNS/tiny-kill/work/logs/dsv3_rl_demo/grpo_tiny_1xH100" 3 \
+        > "$RUNS/tiny-kill/kill.log" 2>&1 < /dev/null & )
+    wait_for tiny "$WAIT_S" ;;
+  proxy)
+    snapshot proxy
+    start proxy one 0,1,2,3 proxy_4xH100
+    wait_for proxy "$WAIT_S" ;;
+  twonode)
+    snapshot twonode
+    port=$(python3 -c "from dsv3_rl.ports import free_port; print(free_port())")
+    w="$RUNS/proxy-one/work"  # the proxy run's model, mcore checkpoint and data (its stages skip them as done)
+    common=(DSV3_PLATFORM=dlc MASTER_ADDR=127.0.0.1 WORLD_SIZE=2 KUBERNETES_CONTAINER_RESOURCE_GPU=2 RAY_PORT="$port"
+            MODEL_PATH="$w/models/dsv3-proxy-4xh100" MCORE_PATH="$w/models/dsv3-proxy-4xh100-mcore"
+            DATA_DIR="$w/data/math_lighteval")
+    start twonode node0 0,1 proxy_4xH100 "${common[@]}" RANK=0 RAY_TMPDIR=/tmp/ray-n0 -- trainer.nnodes=2 \
+        trainer.n_gpus_per_node=2 trainer.total_training_steps=2
+    start twonode node1 2,3 proxy_4xH100 "${common[@]}" RANK=1 RAY_TMPDIR=/tmp/ray-n1 -- trainer.nnodes=2 \
+        trainer.n_gpus_per_node=2 trainer.total_training_steps=2
+    wait_for twonode "$WAIT_S" ;;
+  wait)
+    wait_for "${2:?wait MODE}" "${3:-$WAIT_S}" ;;
+  *) echo "error: unknown mode $mode" >&2; exit 2 ;;
+esac
