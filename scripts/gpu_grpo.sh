@@ -57,9 +57,10 @@ export PYTHON=python3
 
 pack() {  # pack MODE: every run of MODE's log dir + launcher output into $OUT/MODE.tar.gz
   local m=$1
-  (cd "$RUNS" && tar czf "$OLDPWD/$OUT/$m.tar.gz" --exclude='*/ckpt' --exclude='*/models' --exclude='*/data' \
+  local dest; dest="$(cd "$OUT" && pwd)/$m.tar.gz"
+  (cd "$RUNS" && tar czf "$dest" --exclude='*/ckpt' --exclude='*/models' --exclude='*/data' \
       --exclude='*/tensorboard' --exclude='*/ray' $(ls -d "$m"-* 2>/dev/null | grep -v "^repo-") 2>/dev/null)
-  echo "packed $OUT/$m.tar.gz ($(stat -c %s "$OUT/$m.tar.gz" 2>/dev/null) bytes)"
+  echo "packed $dest ($(stat -c %s "$dest" 2>/dev/null) bytes)"
 }
 
 status() {  # status MODE: one line per run; returns 0 when every run of MODE has ended

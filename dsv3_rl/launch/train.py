@@ -449,7 +449,7 @@ def summary(name: str, ok: bool, steps: list[dict], report, res: monitor.RunResu
     if len(vals) >= 2:
         parts.append(f"val {vals[0]:.3f} -> {vals[-1]:.3f}")
     if gaps:
-        parts.append(f"mean|p_vllm-p_mcore| <= {max(gaps):.3f}")
+        parts.append(f"mean|p_vllm-p_mcore| <= {max(gaps):.2g}")
     if res is not None:
         parts.append(f"peak mem {res.peak_pss_bytes / 2**30:.1f} GiB")
     if report is not None:
