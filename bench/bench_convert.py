@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.nproc > 1 else py + ["-m", "dsv3_rl.convert"])
     results: dict = {"preset": args.preset, "nproc": args.nproc}
     try:
-        from dsv3_rl.models.mini_model import write_mini_model
+        from dsv3_rl.minimodel.mini_model import write_mini_model
 
         hf = work / "hf"
         if not (hf / "config.json").exists():

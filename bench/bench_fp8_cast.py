@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     from dsv3_rl.cliargs import parse_set
-    from dsv3_rl.models.mini_model import write_mini_model
+    from dsv3_rl.minimodel.mini_model import write_mini_model
 
     devices = (["cpu"] + (["cuda"] if torch.cuda.is_available() else [])) if args.devices == "auto" \
         else args.devices.split(",")

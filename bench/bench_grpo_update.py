@@ -56,7 +56,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo, when run from a bare checkout
 
 from dsv3_rl.cliargs import UsageError, parse_set  # noqa: E402
-from dsv3_rl.convert.config_map import GPU_FUSIONS  # noqa: E402
+from dsv3_rl.models.config_map import GPU_FUSIONS  # noqa: E402
 from dsv3_rl.errors import cli_main  # noqa: E402
 from dsv3_rl.fs import write_json_atomic  # noqa: E402
 

@@ -104,7 +104,7 @@ def model_config(args):
 def build(hf, dev: torch.device):
     from megatron.core.transformer.enums import AttnBackend
 
-    from dsv3_rl.convert.config_map import Parallel
+    from dsv3_rl.models.config_map import Parallel
     from dsv3_rl.mcore import runtime
 
     runtime.init_distributed(Parallel())

@@ -280,7 +280,7 @@ def mcore_overrides(spec: str, grouped: str, attention_backend: str, te_installe
 def run_mcore(cfg, args, device, grouped: str, parallel, spec: str = "local") -> dict:
     from megatron.core import parallel_state as ps
 
-    from dsv3_rl.convert.config_map import GPU_FUSIONS
+    from dsv3_rl.models.config_map import GPU_FUSIONS
     from dsv3_rl.mcore import runtime
     from dsv3_rl.mcore.te_attention_probe import te_selected_backend
 
@@ -406,7 +406,7 @@ def main() -> int:
             torch._dynamo.config.suppress_errors = True
         except (ImportError, AttributeError):
             pass
-    from dsv3_rl.convert.config_map import Parallel
+    from dsv3_rl.models.config_map import Parallel
     from dsv3_rl.mcore import runtime, te_env
     from dsv3_rl.models.presets import hf_config
 

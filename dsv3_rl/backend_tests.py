@@ -39,6 +39,7 @@ from pathlib import Path
 from dsv3_rl.errors import cli_main
 from dsv3_rl.backends import BASELINE_TAG, REPO_ROOT, BackendError, load_lock
 from dsv3_rl.fs import write_text_atomic
+from dsv3_rl.procs import processes_with
 
 PATTERN = "*_on_cpu.py"
 BASELINE_DIR = REPO_ROOT / "tests" / "assets" / "backend-tests"
@@ -148,8 +149,6 @@ def _pytest(src: Path, env: dict, junit: Path, args: list[str], label: str) -> N
 
 def _ray_stop(ray_tmp: Path) -> None:
     """Kill every process of the Ray that a test file started under RAY_TMP (its private ``RAY_TMPDIR``)."""
-    from dsv3_rl.launch.monitor import processes_with
-
     for _ in range(3):  # a worker the raylet was starting as we looked may show up once
         pids = processes_with(f"RAY_TMPDIR={ray_tmp}")
         if not pids:

@@ -11,7 +11,9 @@
   ``cli_main`` wrapper prints it as one ``error: ...`` line (exit 2); no tool prints ``error:`` itself.
 * :func:`positive_int`, :func:`non_negative_int`, :func:`fraction`, :func:`open_fraction`: argparse ``type=``
   functions, so a flag's type and range are checked where it is read, once (argparse names the flag, exit 2);
-* :func:`env_flag`: the one reader of a yes/no environment variable (an unknown word is refused, never read as no).
+
+:class:`dsv3_rl.errors.UsageError` and :func:`dsv3_rl.errors.env_flag` (the one reader of a yes/no environment
+variable) live in the foundation's lowest module, :mod:`dsv3_rl.errors`, which reports errors with them.
 """
 
 from __future__ import annotations
@@ -22,12 +24,8 @@ import json
 import os
 from collections.abc import Iterator
 
-from dsv3_rl.errors import Dsv3Error
+from dsv3_rl.errors import Dsv3Error, UsageError
 from dsv3_rl.layout import Layout
-
-
-class UsageError(Dsv3Error, ValueError):
-    """Options that parse but do not make sense together (the wrapper prints ``error: ...``, exit 2)."""
 
 
 def alias(parser: argparse.ArgumentParser, option: str, *old: str) -> None:
@@ -108,25 +106,6 @@ def usage_errors(*types: type[Exception]) -> Iterator[None]:
         raise
     except catch as e:
         raise UsageError(e.args[0] if isinstance(e, KeyError) and e.args else str(e)) from None
-
-
-TRUE_WORDS = ("1", "true", "yes", "y", "on")
-FALSE_WORDS = ("0", "false", "no", "n", "off", "")
-
-
-def env_flag(name: str, default: bool = False, environ=None) -> bool:
-    """A boolean environment variable: one of :data:`TRUE_WORDS` / :data:`FALSE_WORDS` (any case); unset is
-    DEFAULT; anything else is a :class:`UsageError` naming the variable and the accepted words (never read as no)."""
-    v = (os.environ if environ is None else environ).get(name)
-    if v is None:
-        return default
-    w = v.strip().lower()
-    if w in TRUE_WORDS:
-        return True
-    if w in FALSE_WORDS:
-        return False
-    raise UsageError(f"{name}={v!r} is not a yes/no value (yes: {', '.join(TRUE_WORDS)}; "
-                     f"no: {', '.join(w or repr('') for w in FALSE_WORDS)})")
 
 
 def _number(text: str, kind: type, flag_hint: str):

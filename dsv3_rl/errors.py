@@ -40,15 +40,45 @@ class Dsv3Error(Exception):
     """Bad input or environment; the message names the file, tensor or config key (and what is allowed)."""
 
 
+class UsageError(Dsv3Error, ValueError):
+    """Options that parse but do not make sense together (the wrapper prints ``error: ...``, exit 2)."""
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM, delivered like Ctrl-C so that every ``except KeyboardInterrupt`` cleanup runs."""
 
 
-def debug_enabled() -> bool:
-    """``DSV3_DEBUG`` read by the package's one yes/no parser (:func:`dsv3_rl.cliargs.env_flag`); an unknown
-    word turns tracebacks on (this runs while an error is reported: it must not raise one of its own)."""
-    from dsv3_rl.cliargs import UsageError, env_flag  # cliargs imports this module: import when called
+TRUE_WORDS = ("1", "true", "yes", "y", "on")
+FALSE_WORDS = ("0", "false", "no", "n", "off", "")
 
+
+def env_flag(name: str, default: bool = False, environ=None) -> bool:
+    """A boolean environment variable: one of :data:`TRUE_WORDS` / :data:`FALSE_WORDS` (any case); unset is
+    DEFAULT; anything else is a :class:`UsageError` naming the variable and the accepted words (never read as no)."""
+    v = (os.environ if environ is None else environ).get(name)
+    if v is None:
+        return default
+    w = v.strip().lower()
+    if w in TRUE_WORDS:
+        return True
+    if w in FALSE_WORDS:
+        return False
+    raise UsageError(f"{name}={v!r} is not a yes/no value (yes: {', '.join(TRUE_WORDS)}; "
+                     f"no: {', '.join(w or repr('') for w in FALSE_WORDS)})")
+
+
+def close(word: str, choices, n: int = 3) -> str:
+    """``"; did you mean 'a' or 'b'?"`` for the CHOICES closest to WORD (difflib), ``""`` when none is close: the
+    tail of an error message that names an unknown key or value."""
+    import difflib
+
+    m = difflib.get_close_matches(word, list(choices), n=n, cutoff=0.6)
+    return f"; did you mean {' or '.join(repr(x) for x in m)}?" if m else ""
+
+
+def debug_enabled() -> bool:
+    """``DSV3_DEBUG`` read by the package's one yes/no parser (:func:`env_flag`); an unknown word turns
+    tracebacks on (this runs while an error is reported: it must not raise one of its own)."""
     try:
         return env_flag("DSV3_DEBUG")
     except UsageError:

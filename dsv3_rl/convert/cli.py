@@ -57,7 +57,7 @@ def _plan(args) -> int:
 
 
 def _mcore_config(args) -> int:
-    from .config_map import RouterSettings, hf_to_mcore_kwargs
+    from dsv3_rl.models.config_map import RouterSettings, hf_to_mcore_kwargs
     from .weights import load_hf_config
 
     cfg = load_hf_config(args.hf_dir)

@@ -43,7 +43,7 @@ from collections.abc import Iterator
 
 from dsv3_rl.errors import Dsv3Error
 
-from .config_map import _get
+from dsv3_rl.models.config_map import _get
 
 SPECS = ("both", "local", "te")
 
@@ -222,7 +222,7 @@ def build_plan(hf_config: Any, keep_mtp: bool = False, spec: str = "both") -> Pl
     hf->mcore and absent on mcore->hf). ``spec``: which megatron norm names to write
     (``both`` | ``local`` | ``te``, see the module docstring).
     """
-    from .config_map import moe_layer_pattern, validate
+    from dsv3_rl.models.config_map import moe_layer_pattern, validate
 
     if spec not in SPECS:
         raise MappingError(f"spec={spec!r}; allowed: {', '.join(SPECS)}")

@@ -41,7 +41,7 @@ from dsv3_rl.checkpoint.safetensors_io import (CheckpointFormatError, HFReader, 
 from dsv3_rl.errors import Dsv3Error, check_space, describe_oserror
 from dsv3_rl.fs import fsync_dir, replace_dir, write_json_atomic
 
-from .config_map import UnsupportedConfigError
+from dsv3_rl.models.config_map import UnsupportedConfigError
 from .mcore_ckpt import Chunk
 from .names import Item, MappingError, Plan, build_plan
 

@@ -113,7 +113,7 @@ def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
 def single_process_megatron():
     """A one-process megatron context (gloo/NCCL world of 1) in this process; restores the
     rendezvous environment afterwards so that child processes see none of it."""
-    from dsv3_rl.convert.config_map import Parallel
+    from dsv3_rl.models.config_map import Parallel
     from dsv3_rl.mcore import runtime
 
     saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
@@ -138,7 +138,7 @@ def full_grads(hf_config, grads_dir: Path, dtype: torch.dtype = torch.float32,
     """Full gradients (megatron TP1 names, fp32, CPU) from a gradient dist checkpoint of any layout."""
     from megatron.core import dist_checkpointing
 
-    from dsv3_rl.convert.config_map import Parallel
+    from dsv3_rl.models.config_map import Parallel
     from dsv3_rl.mcore import runtime
     from dsv3_rl.mcore.layout_check import sharded_state_dict
 

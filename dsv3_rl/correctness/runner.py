@@ -2,7 +2,7 @@
 
 Reference (``reference="hf"``, the default): transformers' DeepseekV3ForCausalLM on the HF
 checkpoint, in fp32. Candidate: megatron-core GPTModel from the project's config mapping
-(``dsv3_rl.convert.config_map``) with weights converted by the project's converter (:mod:`bridge`),
+(``dsv3_rl.models.config_map``) with weights converted by the project's converter (:mod:`bridge`),
 one training step per layout in ``torchrun`` workers (:mod:`worker`); all jobs of one world size
 share one launch. ``reference="mcore"`` compares every layout against the single-process megatron
 model instead (random weights, no converter): layout plumbing only.
@@ -139,7 +139,7 @@ def _tail(text: str, n: int = 30) -> str:
 
 
 def build_mini_model(out: Path, preset: str, dtype: str, overrides: dict | None = None) -> Path:
-    from dsv3_rl.models.mini_model import write_mini_model
+    from dsv3_rl.minimodel.mini_model import write_mini_model
 
     return write_mini_model(preset, out, seed=0, dtype="fp32" if dtype == "fp32" else "bf16", overrides=overrides,
                             overwrite=True)
@@ -147,7 +147,7 @@ def build_mini_model(out: Path, preset: str, dtype: str, overrides: dict | None 
 
 def init_checkpoint(hf_config, path: Path, dtype: torch.dtype, use_te: bool | None = None) -> None:
     """Random megatron weights (``reference="mcore"``), initialised like any layout would."""
-    from dsv3_rl.convert.config_map import Parallel
+    from dsv3_rl.models.config_map import Parallel
     from dsv3_rl.mcore import layout_check, runtime
 
     with assemble.single_process_megatron():
@@ -158,7 +158,7 @@ def edit_checkpoint(hf_config, src: Path, dst: Path, dtype: torch.dtype, edit, u
     """Copy a megatron dist checkpoint through a single-process model (of the layer spec the workers
     use: the copy holds that spec's tensor names), applying ``edit`` to its full (TP1-named) state dict
     in place; returns the names ``edit`` changed."""
-    from dsv3_rl.convert.config_map import Parallel
+    from dsv3_rl.models.config_map import Parallel
     from dsv3_rl.mcore import layout_check, runtime
 
     with assemble.single_process_megatron():
@@ -175,7 +175,7 @@ def edit_checkpoint(hf_config, src: Path, dst: Path, dtype: torch.dtype, edit, u
 
 
 def config_check(hf_config, mcore_overrides: dict, dtype: torch.dtype) -> Check:
-    from dsv3_rl.convert.config_map import Parallel, UnsupportedConfigError, hf_to_mcore_kwargs
+    from dsv3_rl.models.config_map import Parallel, UnsupportedConfigError, hf_to_mcore_kwargs
 
     name = "HF config expressible in megatron-core (config_map)"
     try:
@@ -444,7 +444,7 @@ class Suite:
 
     # -- the end -------------------------------------------------------------------------------------
     def meta(self, extra: dict | None = None) -> dict:
-        from dsv3_rl.convert.config_map import moe_layer_pattern
+        from dsv3_rl.models.config_map import moe_layer_pattern
 
         o, cfg = self.o, self.base_config
         pattern = moe_layer_pattern(cfg)

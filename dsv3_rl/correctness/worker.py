@@ -91,7 +91,7 @@ def run_job(spec: dict, job: dict, batch: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dsv3_rl.convert.config_map import UnsupportedConfigError
+    from dsv3_rl.models.config_map import UnsupportedConfigError
     from dsv3_rl.mcore import runtime
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -30,8 +30,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from dsv3_rl.cliargs import add_out, alias, env_flag, fraction, positive_int
-from dsv3_rl.errors import Dsv3Error
+from dsv3_rl.cliargs import add_out, alias, fraction, positive_int
+from dsv3_rl.errors import Dsv3Error, env_flag
 from dsv3_rl.fs import atomic_path, replace_dir, sha256_file, write_text_atomic
 
 SPLITS = ("train", "test")

@@ -11,7 +11,7 @@ type), so ``dsv3_rl.data.math_lighteval`` prepares them into verl's parquet like
 The test split holds out whole (phrasing, digit) pairs: two per digit, so every answer is 1/9 of the
 validation set and no constant answer scores more than 11.2% (the learning demo's guard: its reward can
 rise only by answering each prompt). The 2M-parameter tiny model learns to read the digit out of an
-unseen phrasing after a few hundred supervised steps (``dsv3_rl.models.warm_start``); the warm start it
+unseen phrasing after a few hundred supervised steps (``dsv3_rl.minimodel.warm_start``); the warm start it
 ships is then pushed towards a wrong habit so that GRPO has something to fix.
 Deterministic: the same seed writes the same rows.
 """

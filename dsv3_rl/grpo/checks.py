@@ -22,17 +22,18 @@ Planted-fault twins in ``tests/unit/test_grpo_checks.py`` (on metrics) and ``tes
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from pathlib import Path
 from typing import Any
-from dsv3_rl.errors import Dsv3Error
 
-# verl metric names (verl 0.9.1, trainer/ppo/metric_utils.py and utils/debug/metrics.py)
-REWARD_KEYS = ("critic/score/mean", "critic/rewards/mean")
+from dsv3_rl.checkpoint.verl_layout import model_dir
+from dsv3_rl.grpo.metrics import (PROB_DIFF_MAX, PROB_DIFF_MEAN, REWARD_KEYS, Check, CheckError, finite as _finite,
+                                  read_metrics, route_agreement, val_reward)
+from dsv3_rl.grpo.off_policy import run_checks  # trainer_mode (staleness) and algorithm (DAPO) checks, issue 27
+
+# verl metric names (verl 0.9.1, trainer/ppo/metric_utils.py and utils/debug/metrics.py); the reward, prob-diff and
+# route-agreement names, the metric reader and Check live in dsv3_rl.grpo.metrics (progress reads them too)
 LOGPROB_KEYS = ("actor/pg_loss", "actor/ppo_kl")
-PROB_DIFF_MAX = "training/rollout_probs_diff_max"
-PROB_DIFF_MEAN = "training/rollout_probs_diff_mean"
 PEARSON = "training/rollout_actor_probs_pearson_corr"
 #: NeMo-RL's token_mult_prob_error: mean over response tokens of exp(|logp_vllm - logp_megatron|), 1.0 = identical
 #: (verl patch 0036). Reported beside our limits so the gap compares with NeMo-RL's, which gates it at < 1.05.
@@ -46,8 +47,6 @@ ENTROPY = "actor/entropy"
 #: pearson judged at every step.
 PEARSON_MIN_ENTROPY = 0.2
 
-#: suffix of the R3 route-agreement metric of verl's Megatron engine (verl patch 0023; verl prefixes it)
-ROUTE_AGREEMENT = "router_replay/route_agreement"
 #: verl's rollout MoE load metrics found routes in the batch (1.0) or not (0.0)
 MOE_ROUTES_FOUND = "rollout/moe/routed_experts_found"
 
@@ -59,17 +58,6 @@ DEFAULT_TOLERANCES = {
     "min_weight_change": 1e-6,
     "learning": None,
 }
-
-
-class CheckError(Dsv3Error, RuntimeError):
-    """The run's outputs are missing or unreadable (the message names the file)."""
-
-
-@dataclasses.dataclass
-class Check:
-    name: str
-    ok: bool
-    detail: str
 
 
 @dataclasses.dataclass
@@ -89,28 +77,6 @@ class Report:
     def to_json(self) -> dict:
         return {"ok": self.ok, "weight_change": self.weight_change,
                 "checks": [dataclasses.asdict(c) for c in self.checks], "steps": self.steps}
-
-
-def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """verl's file logger (``trainer.logger=[file]``, ``VERL_FILE_LOGGER_PATH``): one JSON line per
-    step, ``{"step": n, "data": {metric: value}}`` -> ``[{"step": n, **metrics}]`` sorted by step."""
-    path = Path(path)
-    if not path.is_file():
-        raise CheckError(f"metrics file {path} does not exist (did main_ppo run with trainer.logger containing 'file'?)")
-    steps: dict[int, dict] = {}
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise CheckError(f"{path}:{n}: not JSON ({e})") from None
-        steps.setdefault(int(rec["step"]), {}).update(rec.get("data") or {})
-    return [{"step": s, **steps[s]} for s in sorted(steps)]
-
-
-def _finite(x: Any) -> bool:
-    return isinstance(x, (int, float)) and math.isfinite(float(x))
 
 
 def _first(step: dict, keys: tuple[str, ...]) -> tuple[str | None, Any]:
@@ -139,12 +105,6 @@ def read_run_metrics(path: str | Path) -> list[dict[str, Any]]:
 def training_steps(steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The records of steps that trained (a validation-only record, e.g. step 0 of val_before_train, is not one)."""
     return [s for s in steps if any(k in s for k in REWARD_KEYS)]
-
-
-def val_reward(step: dict[str, Any]) -> float | None:
-    from dsv3_rl.grpo.progress import val_reward as _v
-
-    return _v(step)
 
 
 def pearson_judged(step: dict[str, Any]) -> bool:
@@ -205,8 +165,6 @@ def check_metrics(steps: list[dict[str, Any]], expected_steps: int, tol: dict[st
                      + ("all of them" if not low else f"the {len(judged)} with policy entropy >= {PEARSON_MIN_ENTROPY}, "
                         f"not judged at the {low} below (probabilities near 1)") + f"; max per token {max(maxes):.2g}"
                      + nemo))
-    from dsv3_rl.grpo.off_policy import run_checks  # trainer_mode (staleness) and algorithm (DAPO) checks, issue 27
-
     out += run_checks(train, tol)
     if tol.get("router_replay") == "R3":
         # verl's off-policy trainers (experimental separation trainer) log no rollout MoE metrics (MOE_ROUTES_FOUND)
@@ -216,11 +174,6 @@ def check_metrics(steps: list[dict[str, Any]], expected_steps: int, tol: dict[st
     if learning:
         out.append(check_learning(steps, learning))
     return out
-
-
-def route_agreement(step: dict[str, Any]) -> float | None:
-    """Fraction of replayed (token, MoE layer) routes the trainer's router would have chosen itself (R3 only)."""
-    return next((float(v) for k, v in step.items() if k.endswith(ROUTE_AGREEMENT) and _finite(v)), None)
 
 
 def check_router_replay(train: list[dict[str, Any]], agreement_min: float, found_logged: bool = True) -> Check:
@@ -294,8 +247,6 @@ def find_saved_model(ckpt_root: Path, step: int) -> Path:
     """The actor's model dist checkpoint that verl saved at ``step`` under ``trainer.default_local_dir``, found by
     verl's own layout (``actor/ckpt_contents.json``, else ``actor/model/dist_ckpt``), not by searching: an
     ``optimizer/`` or ``extra/`` dist checkpoint is never taken for the model, whatever order a file system lists."""
-    from dsv3_rl.launch.ckpt import model_dir
-
     step_dir = ckpt_root / f"global_step_{step}"
     d = model_dir(step_dir)
     if not (d / "metadata.json").is_file():

@@ -1,4 +1,4 @@
-"""Per-step checks of an off-policy run (``trainer_mode: one_step_off | fully_async``, dsv3_rl/launch/algorithms.py):
+"""Per-step checks of an off-policy run (``trainer_mode: one_step_off | fully_async``, dsv3_rl/recipes/algorithms.py):
 the rollout received new weights and no sample older than the staleness bound was trained on.
 
 The metrics are verl 0.9.1's own:
@@ -28,6 +28,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from dsv3_rl.grpo.metrics import Check
+
 SYNC_TIMING = "timing_s/sync_rollout_weights"
 #: verl's v1 ReplayBuffer: groups DAPO's filter evicted (all rewards equal) in a step; logged only when > 0
 DAPO_EVICTED = "training/filter_groups/evicted_samples"
@@ -41,9 +43,7 @@ def _finite(x: Any) -> bool:
 
 def check_off_policy(train: list[dict[str, Any]], mode: str, off_policy: dict[str, Any] | None = None,
                      samples_per_step: int | None = None):
-    """One :class:`dsv3_rl.grpo.checks.Check` for MODE over the training steps TRAIN (None for ``sync``)."""
-    from dsv3_rl.grpo.checks import Check
-
+    """One :class:`dsv3_rl.grpo.metrics.Check` for MODE over the training steps TRAIN (None for ``sync``)."""
     if mode == "one_step_off":
         bad = [s["step"] for s in train if not _finite(s.get(SYNC_TIMING))]
         if bad or not train:
@@ -88,8 +88,6 @@ def check_off_policy(train: list[dict[str, Any]], mode: str, off_policy: dict[st
 
 def check_group_filter(train: list[dict[str, Any]]):
     """DAPO: the group filter evicted zero-variance groups at least once during the run (module docstring)."""
-    from dsv3_rl.grpo.checks import Check
-
     ev = [(s["step"], s[DAPO_EVICTED]) for s in train if _finite(s.get(DAPO_EVICTED)) and s[DAPO_EVICTED] > 0]
     if not ev:
         return Check("DAPO group filter", False, f"no step logged {DAPO_EVICTED} > 0 in {len(train)} steps: "

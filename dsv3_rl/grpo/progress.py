@@ -18,21 +18,14 @@ from pathlib import Path
 from typing import Any
 
 from dsv3_rl.fs import write_bytes_atomic
-from dsv3_rl.grpo.checks import (PROB_DIFF_MAX, PROB_DIFF_MEAN, REWARD_KEYS, CheckError, read_metrics,
-                                 route_agreement)
+from dsv3_rl.grpo.metrics import (PROB_DIFF_MAX, PROB_DIFF_MEAN, REWARD_KEYS, CheckError, number as _num, read_metrics,
+                                  route_agreement, val_reward)
 
-# verl metric names (verl 0.9.1, trainer/ppo/metric_utils.py); the reward and prob-diff names live in checks
+# verl metric names (verl 0.9.1, trainer/ppo/metric_utils.py); the reward and prob-diff names live in metrics
 RESPONSE_LENGTH = "response_length/mean"
 PG_LOSS = "actor/pg_loss"
 STEP_TIME = "timing_s/step"
 PREFIX = "[dsv3-grpo]"
-
-
-def _num(x: Any) -> float | None:
-    """``x`` as a float when it is a number (bool is not), else None. NaN/inf are kept: they are values."""
-    if isinstance(x, bool) or not isinstance(x, (int, float)):
-        return None
-    return float(x)
 
 
 def train_reward(step: dict) -> float | None:
@@ -40,19 +33,6 @@ def train_reward(step: dict) -> float | None:
     for k in REWARD_KEYS:
         if k in step:
             return _num(step[k])
-    return None
-
-
-def val_reward(step: dict) -> float | None:
-    """The validation reward of a step record: the first ``val-core/...`` key containing ``mean@``
-    (verl's ``val-core/<data_source>/<reward|acc|score>/mean@N``); failing that, the first ``val/...`` key
-    containing ``score`` or ``reward`` (older verl). None when the step has no validation metric."""
-    for k, v in step.items():
-        if k.startswith("val-core/") and "mean@" in k and _num(v) is not None:
-            return _num(v)
-    for k, v in step.items():
-        if k.startswith("val/") and ("score" in k or "reward" in k) and _num(v) is not None:
-            return _num(v)
     return None
 
 

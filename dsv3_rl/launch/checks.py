@@ -285,7 +285,7 @@ def check_router(cfg, facts: dict[str, Any]) -> list[Finding]:
             unset_facts.append(f"{k}={facts[k]!r}")
         elif v != facts[k] and not (isinstance(v, float) and abs(v - facts[k]) < 1e-9):
             out.append(Finding("error", "router", f"{OTC}.{k}={v!r} but the model's config gives {facts[k]!r} "
-                                                   f"(dsv3_rl.convert.config_map); training would route differently from vLLM"))
+                                                   f"(dsv3_rl.models.config_map); training would route differently from vLLM"))
     for k, rl in ROUTER_RL.items():
         v = select(cfg, f"{OTC}.{k}")
         if v is None:
@@ -335,7 +335,7 @@ def planner_check(model: Any, cfg, s: Sizes, gpu: str, options_extra: dict, *, c
             rollout_max_num_batched_tokens=int(g(f"{R}.max_num_batched_tokens") or 8192),
             rollout_quantization=str(g(f"{R}.quantization") or "none"),  # FP8 rollout weights (preset rollout_quantization)
         )
-        from dsv3_rl.launch.train_precision import planner_options  # FP8 training memory (preset train_precision)
+        from dsv3_rl.recipes.train_precision import planner_options  # FP8 training memory (preset train_precision)
 
         opts.update(planner_options(otc))
         opts.update(options_extra or {})

@@ -68,17 +68,6 @@ def step_dirs(ckpt_dir: Path) -> dict[int, Path]:
     return dict(sorted(out.items()))
 
 
-def model_dir(step_dir: Path) -> Path:
-    """The actor's model dist checkpoint of one step, by verl's own layout: ``actor/ckpt_contents.json``'s
-    ``contents.model.path`` when it is there, else verl's layout-v2 path ``actor/model/dist_ckpt``."""
-    actor = Path(step_dir) / "actor"
-    try:
-        rel = json.loads((actor / "ckpt_contents.json").read_text())["contents"]["model"]["path"]
-    except (OSError, ValueError, KeyError, TypeError):
-        rel = "model/dist_ckpt"
-    return actor / rel
-
-
 def _dcp_ranges(d: Path) -> dict[str, tuple[str, int, int, list[int] | None]]:
     """``{tensor chunk name: (file, offset, length, shape)}`` from a torch dist checkpoint's ``.metadata``."""
     from torch.distributed.checkpoint import FileSystemReader

@@ -25,9 +25,9 @@ import sys
 import time
 from pathlib import Path
 
-from dsv3_rl.cliargs import add_out, env_flag
-from dsv3_rl.errors import cli_main
-from dsv3_rl.launch.presets import PresetError, list_presets, load_preset
+from dsv3_rl.cliargs import add_out
+from dsv3_rl.errors import cli_main, env_flag
+from dsv3_rl.recipes.presets import PresetError, list_presets, load_preset
 from dsv3_rl.fs import write_text_atomic
 
 COMMANDS = ("run", "check", "list", "show", "check-all", "dlc", "slurm", "platform")
@@ -78,7 +78,7 @@ def _force_stages(launch, names: list[str]) -> None:
 
 
 def _print_launch(launch, *, out=None, full: bool = True) -> None:
-    from dsv3_rl.launch.overrides import shell_join
+    from dsv3_rl.verl_glue.overrides import shell_join
 
     # sys.stdout at call time, not at import (a default bound at import keeps a replaced stream)
     pr = lambda *a: print(*a, file=out or sys.stdout)  # noqa: E731
@@ -274,7 +274,7 @@ def execute(launch, *, stages_only: bool = False, skip_stages: bool = False, joi
 
 def preset_rows() -> list[dict]:
     """One row per preset: model, hardware, trainer and rollout sizes (from the preset files)."""
-    from dsv3_rl.launch.algorithms import rollout_world as world_of_rollout, trainer_world
+    from dsv3_rl.recipes.algorithms import rollout_world as world_of_rollout, trainer_world
 
     rows = []
     for name in list_presets():
@@ -298,9 +298,9 @@ def preset_rows() -> list[dict]:
                    + (f" EP{ro['ep']}" if (ro.get("ep") or 1) > 1 else ""))
         if "gpu_memory_utilization" in ro:
             rollout += f" @{ro['gpu_memory_utilization']}"
-        if p.rollout_quantization != "none":  # rollout_quantization: fp8 (dsv3_rl/launch/rollout_quantization.py)
+        if p.rollout_quantization != "none":  # rollout_quantization: fp8 (dsv3_rl/recipes/rollout_quantization.py)
             rollout += f", {p.rollout_quantization.upper()} weights"
-        if p.trainer_mode != "sync" or p.algorithm != "grpo":  # dsv3_rl/launch/algorithms.py
+        if p.trainer_mode != "sync" or p.algorithm != "grpo":  # dsv3_rl/recipes/algorithms.py
             trainer += f" [{p.trainer_mode}, {p.algorithm}]"
             if p.off_policy:
                 rollout += f" on {world_of_rollout(p)} separate"

@@ -30,6 +30,8 @@ import time
 import uuid
 from pathlib import Path
 
+from dsv3_rl.procs import processes_with
+
 RUN_ID_ENV = "DSV3_RUN_ID"
 #: seconds between two PSS samples. Reading /proc/PID/smaps_rollup walks every mapping of the process: ~0.29 s of
 #: CPU for the ~30 processes of a CPU run (measured 2026-11-27, 2 cores), 14% of a core at the 2 s it was; the
@@ -156,23 +158,6 @@ def run_ids(env_entry: str | None = None) -> set[str]:
 def run_processes(run_id: str) -> list[int]:
     """PIDs of live processes whose environment carries ``DSV3_RUN_ID=run_id`` (this process excluded)."""
     return processes_with(f"{RUN_ID_ENV}={run_id}")
-
-
-def processes_with(env_entry: str) -> list[int]:
-    """PIDs of live processes whose environment has the exact entry ENV_ENTRY (``"NAME=value"``; this process
-    excluded): what one launch, or one test's Ray (its ``RAY_TMPDIR``), started, whatever they renamed themselves."""
-    needle = env_entry.encode()
-    me, out = os.getpid(), []
-    for d in os.listdir("/proc"):
-        if not d.isdigit() or int(d) == me:
-            continue
-        try:
-            with open(f"/proc/{d}/environ", "rb") as f:
-                if needle in f.read().split(b"\0"):
-                    out.append(int(d))
-        except OSError:
-            continue
-    return out
 
 
 def pss_bytes(pids: list[int]) -> int:

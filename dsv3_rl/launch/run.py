@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from dsv3_rl.launch import checks, stages as stages_mod
-from dsv3_rl.launch.overrides import (Override, flatten, get_dotted as deep_get, parse_overrides, set_dotted,
-                                      to_overrides)
-from dsv3_rl.launch.presets import REPO, Preset, PresetError, deep_merge, load_preset
-from dsv3_rl.launch.verl_config import (VerlConfigError, base_config, check_cli_overrides, check_open_dicts,
-                                        compose, validate_like_main_ppo)
+from dsv3_rl.launch.verl_config import check_cli_overrides, check_open_dicts, validate_like_main_ppo
+from dsv3_rl.recipes.presets import REPO, Preset, PresetError, load_preset
+from dsv3_rl.verl_glue.compose import VerlConfigError, base_config, compose, hydra_args
+from dsv3_rl.verl_glue.overrides import (Override, deep_merge, flatten, get_dotted as deep_get, parse_overrides,
+                                         set_dotted, to_overrides)
 
 A = "actor_rollout_ref.actor"
 M = f"{A}.megatron"
@@ -114,8 +114,8 @@ def model_facts(preset: Preset, hf_dir: Path) -> tuple[dict, str, list[checks.Fi
 
 
 def router_facts(model_cfg: dict, router: dict) -> dict[str, Any]:
-    """override_transformer_config router keys from dsv3_rl.convert.config_map (the single HF->mcore mapping)."""
-    from dsv3_rl.convert.config_map import RouterSettings, hf_to_mcore_kwargs
+    """override_transformer_config router keys from dsv3_rl.models.config_map (the single HF->mcore mapping)."""
+    from dsv3_rl.models.config_map import RouterSettings, hf_to_mcore_kwargs
 
     cfg = {k: v for k, v in model_cfg.items() if k != "quantization_config"}
     cfg["num_nextn_predict_layers"] = 0
@@ -170,19 +170,19 @@ def derived_tree(preset: Preset, model_cfg: dict) -> dict:
     set_dotted(t, "trainer.n_gpus_per_node", preset.gpus_per_node)
     set_dotted(t, "trainer.project_name", preset.run["project"])
     set_dotted(t, "trainer.experiment_name", preset.run["experiment"])
-    from dsv3_rl.launch import rollout_correction  # preset.rollout_correction by name -> algorithm.rollout_correction
+    from dsv3_rl.recipes import rollout_correction  # preset.rollout_correction by name -> algorithm.rollout_correction
 
     t = deep_merge(t, rollout_correction.verl_tree(preset.rollout_correction))
-    from dsv3_rl.launch import router_replay  # preset.router_replay by name -> actor.megatron.router_replay
+    from dsv3_rl.recipes import router_replay  # preset.router_replay by name -> actor.megatron.router_replay
 
     t = deep_merge(t, router_replay.verl_tree(preset.router_replay))
-    from dsv3_rl.launch import rollout_quantization  # preset.rollout_quantization by name -> rollout.quantization
+    from dsv3_rl.recipes import rollout_quantization  # preset.rollout_quantization by name -> rollout.quantization
 
     t = deep_merge(t, rollout_quantization.verl_tree(preset.rollout_quantization))
-    from dsv3_rl.launch import train_precision  # preset.train_precision -> override_transformer_config.fp8/fp8_recipe
+    from dsv3_rl.recipes import train_precision  # preset.train_precision -> override_transformer_config.fp8/fp8_recipe
 
     t = deep_merge(t, train_precision.verl_tree(preset.train_precision, preset.fp8_recipe))
-    from dsv3_rl.launch import algorithms  # preset.trainer_mode / algorithm by name -> resources, losses, filters
+    from dsv3_rl.recipes import algorithms  # preset.trainer_mode / algorithm by name -> resources, losses, filters
 
     resp = (preset.verl.get("data") or {}).get("max_response_length")
     return deep_merge(t, algorithms.verl_tree(algorithms.choice_of(preset), preset.hardware, resp))
@@ -323,11 +323,11 @@ def resolve(preset_name: str, user_overrides: list[str] | None = None, environ: 
     if errs:
         raise VerlConfigError("\n".join(errs))
     rest = _apply_user(tree, user)
-    overrides = to_overrides(tree, base, f"preset {preset.name}")
-    from dsv3_rl.launch import algorithms
+    overrides = to_overrides(tree, base, f"preset {preset.name}", error=PresetError)
+    from dsv3_rl.recipes import algorithms
 
     argv = [sys.executable, "-m", preset.entry, f"--config-name={preset.config_name}",
-            *algorithms.hydra_args(preset.trainer_mode), *overrides, *rest]
+            *hydra_args(preset.trainer_mode), *overrides, *rest]
     launch = Launch(preset, paths, model_cfg, model_src, env, tree, overrides, rest, argv, [], findings, notes)
 
     # compose + check ------------------------------------------------------------------------------------
@@ -349,7 +349,7 @@ def resolve(preset_name: str, user_overrides: list[str] | None = None, environ: 
     try:
         f += checks.check_router(cfg, router_facts(model_cfg, preset.router))
     except Exception as e:  # noqa: BLE001  (config_map refuses the model: that is an error too)
-        f.append(checks.Finding("error", "model", f"dsv3_rl.convert.config_map refuses {model_src}: {e}"))
+        f.append(checks.Finding("error", "model", f"dsv3_rl.models.config_map refuses {model_src}: {e}"))
     f += [checks.Finding("error", "algorithm", m) for m in algorithms.check_config(cfg, algorithms.choice_of(preset))]
     if s.world != algorithms.trainer_world(preset):
         f.append(checks.Finding("warning", "hardware", f"trainer.nnodes*n_gpus_per_node = {s.world} GPUs differs from the "

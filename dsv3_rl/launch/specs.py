@@ -15,7 +15,7 @@ import json
 import shlex
 from typing import Any
 
-from dsv3_rl.launch.presets import REPO, Preset
+from dsv3_rl.recipes.presets import REPO, Preset
 
 LAUNCHER = "examples/deepseek_v3/run_mcore_deepseek_verl.sh"
 SBATCH = "examples/deepseek_v3/slurm/run_mcore_deepseek_verl.sbatch"

@@ -1,7 +1,7 @@
 """Pipeline stages before training, each skipped when its verified output exists.
 
 =========  ==========================================================================================
-weights    synthetic presets (tiny, proxy): ``python -m dsv3_rl.models.mini_model --model MODEL --out OUT``
+weights    synthetic presets (tiny, proxy): ``python -m dsv3_rl.minimodel.mini_model --model MODEL --out OUT``
 fp8_cast   FP8 release -> BF16: ``python -m dsv3_rl.checkpoint.fp8 cast IN --out OUT``; done when the tool's
            manifest (``dsv3_manifest.json``) says complete for this input
 hf_config  config.json fix-ups (quantization_config, MTP, topk_method, ...):
@@ -173,7 +173,7 @@ def build_stages(preset, paths, *, max_prompt_length: int | None, model_cfg: dic
     why = (f"shipped in the repository ({w.get('path')})" if w["source"] == "shipped"
            else "weights come from a download (MODEL_PATH)")
     st = Stage("weights", needed=synthetic, why=why,
-               argv=_py("dsv3_rl.models.mini_model", "--model", model_name, "--out", str(model_dir), "--force"),
+               argv=_py("dsv3_rl.minimodel.mini_model", "--model", model_name, "--out", str(model_dir), "--force"),
                out_dir=model_dir, outputs=[model_dir / "config.json"], inputs=[])
     if synthetic:
         st.verify = lambda d=model_dir: ((_has_weights(d), "weights present") if _has_weights(d)
@@ -294,7 +294,7 @@ def verify_data(out: Path) -> tuple[bool, str]:
 
 def dataset_spec(dataset: str):
     """``dsv3_rl.data.<dataset>.SPEC`` (name, download hint, ...) of a preset's ``data.dataset``
-    (one of :data:`dsv3_rl.launch.presets.DATASETS`, checked when the preset is loaded)."""
+    (one of :data:`dsv3_rl.recipes.presets.DATASETS`, checked when the preset is loaded)."""
     import importlib
 
     return importlib.import_module(f"dsv3_rl.data.{dataset}").SPEC

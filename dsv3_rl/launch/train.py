@@ -370,7 +370,7 @@ def _checks(launch, metrics: Path, total: int, run_info: dict | None = None):
     logging.getLogger("megatron").setLevel(logging.ERROR)
     with warnings.catch_warnings():  # megatron/torch dist-checkpoint deprecation noise while reloading
         warnings.simplefilter("ignore")
-        from dsv3_rl.launch import algorithms  # off-policy staleness check (issue 27)
+        from dsv3_rl.recipes import algorithms  # off-policy staleness check (issue 27)
 
         tolerances = {**(launch.preset.checks or {}), "router_replay": launch.preset.router_replay,
                       "trainer_mode": launch.preset.trainer_mode, "off_policy": launch.preset.off_policy,

@@ -22,21 +22,13 @@ refuse unknown keys, and run what ``main_ppo`` and its workers validate before G
 from __future__ import annotations
 
 import dataclasses
-import functools
 import importlib.util
 from pathlib import Path
 from typing import Any
 
-from dsv3_rl.errors import Dsv3Error
-from dsv3_rl.launch.overrides import Override, exists, is_open, node_at
-from dsv3_rl.launch.presets import close
-
-#: verl keys that older examples use but verl 0.9.1 does not have, with what to use instead.
-REMOVED_KEYS = {
-    "grad_offload": "verl 0.9.1 has no megatron.grad_offload (its own DeepSeek-V3 example still passes it); "
-                    "param_offload=True also releases the gradient buffers while the engine is inactive",
-    "reward_model.reward_manager": "verl 0.9.1 moved it to reward.reward_manager.name",
-}
+from dsv3_rl.errors import close
+from dsv3_rl.verl_glue.compose import exists, node_at, unknown_key_message
+from dsv3_rl.verl_glue.overrides import Override, is_open
 
 #: Megatron dataclasses that verl builds from the open dicts (import path, class name).
 MEGATRON_TARGETS = {
@@ -45,79 +37,6 @@ MEGATRON_TARGETS = {
     ".override_ddp_config": ("megatron.core.distributed.distributed_data_parallel_config",
                              "DistributedDataParallelConfig"),
 }
-
-
-class VerlConfigError(Dsv3Error, ValueError):
-    """The verl config cannot be composed or does not validate; the message names the key."""
-
-
-def verl_config_dir() -> Path:
-    """``verl/trainer/config`` of the installed verl, found without importing verl (which is slow)."""
-    spec = importlib.util.find_spec("verl")
-    if spec is None or not spec.submodule_search_locations:
-        raise VerlConfigError("verl is not installed in this environment (make setup installs verl 0.9.1 editable)")
-    d = Path(list(spec.submodule_search_locations)[0]) / "trainer" / "config"
-    if not d.is_dir():
-        raise VerlConfigError(f"verl's config directory {d} does not exist")
-    return d
-
-
-def verl_version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("verl")
-    except Exception:  # noqa: BLE001
-        return "unknown"
-
-
-def compose(config_name: str, overrides: list[str]):
-    """verl's config with OVERRIDES applied (struct mode, interpolations unresolved)."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    from dsv3_rl.launch.algorithms import config_search  # off-policy trainer modes: verl/experimental/*/config
-
-    config_dir, search = config_search(config_name, verl_config_dir())
-    try:
-        with initialize_config_dir(str(config_dir), version_base=None):
-            return hydra_compose(config_name=config_name, overrides=[*search, *overrides])
-    except (HydraException, OmegaConfBaseException) as e:
-        msg = str(e).strip().splitlines()
-        raise VerlConfigError(f"verl {verl_version()} ({config_name}) refused the overrides: {' '.join(msg)}") from None
-
-
-@functools.lru_cache(maxsize=4)
-def base_config(config_name: str = "ppo_megatron_trainer"):
-    return compose(config_name, [])
-
-
-def unknown_key_message(cfg, key: str, where: str) -> str:
-    """Why KEY is not a verl key, with the nearest ones."""
-    from omegaconf import DictConfig
-
-    parts = key.split(".")
-    i = 0
-    while i < len(parts) and exists(cfg, ".".join(parts[: i + 1])):
-        i += 1
-    parent = ".".join(parts[:i])
-    node = node_at(cfg, parent) if parent else cfg
-    siblings = [str(k) for k in node.keys()] if isinstance(node, DictConfig) else []
-    missing = parts[i] if i < len(parts) else parts[-1]
-    msg = f"{where}: {key!r} is not a key of verl {verl_version()}'s config"
-    if parent:
-        msg += f" (no {missing!r} under {parent!r})"
-    msg += close(missing, siblings)
-    for k, why in REMOVED_KEYS.items():
-        if key.endswith(k):
-            msg += f". {why}"
-            break
-    if siblings and not close(missing, siblings):
-        shown = ", ".join(sorted(siblings)[:25])
-        msg += f"; keys under {parent or 'the root'}: {shown}{' ...' if len(siblings) > 25 else ''}"
-    return msg
 
 
 def check_cli_overrides(overrides: list[Override], cfg) -> list[str]:

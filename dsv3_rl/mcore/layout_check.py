@@ -27,7 +27,7 @@ import torch
 
 from dsv3_rl.cliargs import add_layout
 from dsv3_rl.errors import cli_main
-from dsv3_rl.convert.config_map import Parallel
+from dsv3_rl.models.config_map import Parallel
 from dsv3_rl.mcore import runtime
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dsv3_rl.convert.config_map import Parallel, RouterSettings, gpt_model_kwargs, hf_to_mcore_config
+from dsv3_rl.models.config_map import Parallel, RouterSettings, gpt_model_kwargs, hf_to_mcore_config
 from dsv3_rl.mcore import te_env
 
 te_env.pin_torch_cudnn()  # before megatron-core imports Transformer Engine: one cuDNN per process

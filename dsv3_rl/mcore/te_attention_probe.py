@@ -55,7 +55,7 @@ BACKEND_ENV = {
 def mla_softmax_scale(factor: float = 40.0, mscale_all_dim: float = 1.0) -> float:
     """DeepSeek-V3's softmax scale (yarn factor 40, mscale_all_dim 1: mscale^2 / sqrt(192), as transformers'
     DeepseekV3Attention.scaling), not the plain 1/sqrt(d) a backend would default to."""
-    from dsv3_rl.convert.config_map import _get_mscale
+    from dsv3_rl.models.config_map import _get_mscale
 
     return _get_mscale(factor, mscale_all_dim) ** 2 / math.sqrt(HEAD_DIM_QK)
 

@@ -190,7 +190,7 @@ def resolve(preset: str) -> str:
 def preset_kwargs(preset: str, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """A deep copy of the preset's config kwargs, with OVERRIDES applied (keys must already exist); an override
     that makes the config unusable (``hidden_size=-4``) is a ConfigError naming the key (``validate_config``)."""
-    from dsv3_rl.checkpoint.hf_config import validate_config
+    from dsv3_rl.models.hf_config_rules import validate_config
 
     kwargs = copy.deepcopy(PRESETS[resolve(preset)])
     for key, value in (overrides or {}).items():

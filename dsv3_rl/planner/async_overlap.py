@@ -200,7 +200,7 @@ def _layout(p) -> Layout:
 def sync_baseline(p):
     """The sync preset an off-policy preset is compared with: the nearest runnable preset it extends (its own
     layout on the whole machine), else the preset itself."""
-    from dsv3_rl.launch.presets import load_preset
+    from dsv3_rl.recipes.presets import load_preset
 
     for f in reversed(p.files[:-1]):
         if not f.name.startswith("_"):
@@ -212,7 +212,7 @@ def for_preset(name: str, replan: bool = False) -> Overlap:
     """The overlap estimate for a run preset's hardware, batch and rollout: sync with the layout of
     :func:`sync_baseline`, one-step-off with the preset's layout on the trainer pool (sync or one_step_off: the
     hardware is the whole machine either way)."""
-    from dsv3_rl.launch.presets import load_preset
+    from dsv3_rl.recipes.presets import load_preset
 
     p = load_preset(name)
     v = p.verl

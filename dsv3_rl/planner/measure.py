@@ -3,7 +3,7 @@
 What it runs, per config (one process, one device, TP=PP=EP=1):
 
 * a megatron-core ``GPTModel`` built from an HF DeepSeek-V3 config through
-  ``dsv3_rl.convert.config_map.hf_to_mcore_config`` and megatron's *local* layer spec
+  ``dsv3_rl.models.config_map.hf_to_mcore_config`` and megatron's *local* layer spec
   (``get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")``:
   no Transformer Engine). Core attention is megatron's local ``DotProductAttention``, which with
   patch 0012 runs torch SDPA when TE is absent (``attention_backend`` auto; fused flash / cuDNN /
@@ -242,7 +242,7 @@ def _mcore_config(hf_config: dict, recompute: dict, dtype, on_cuda: bool = False
             rc["recompute_num_layers"] = recompute.get("num_layers", 1)
         else:
             rc["recompute_modules"] = list(recompute.get("modules", ["core_attn"]))
-    from dsv3_rl.convert.config_map import hf_to_mcore_config
+    from dsv3_rl.models.config_map import hf_to_mcore_config
     from dsv3_rl.layout import Layout
 
     return hf_to_mcore_config(hf_config, Layout(tp=1, pp=1, ep=1, etp=1), dtype=dtype,

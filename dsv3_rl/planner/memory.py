@@ -560,7 +560,7 @@ def rollout_weight_bytes(m, tp: int, ep: int = 1, quantization: str = "none") ->
         s = fp8_savings(m)
         b -= s["replicated"] + s["tp"] / tp + s["experts"] / (ep if ep > 1 else tp)
     elif quantization != "none":
-        from dsv3_rl.launch.rollout_quantization import MODES
+        from dsv3_rl.recipes.rollout_quantization import MODES
 
         raise ValueError(f"rollout_quantization={quantization!r} (allowed: {', '.join(MODES)})")
     return b

@@ -215,7 +215,8 @@ def load_model(model: Any) -> ModelSpec:
         if p.is_dir():
             p = p / "config.json"
         if p.suffix == ".json" or p.exists():
-            from dsv3_rl.checkpoint.hf_config import load_config, validate_config
+            from dsv3_rl.checkpoint.hf_config import load_config
+            from dsv3_rl.models.hf_config_rules import validate_config
 
             cfg = load_config(p, family=False)  # ConfigError naming the file: missing, not JSON, not an object
             validate_config(cfg, str(p), require=False)  # ConfigError (a ValueError) naming the key

@@ -72,8 +72,8 @@ def verl_tree(ev, m, c, g, o) -> dict:
             r["enforce_eager"] = True
         if o.placement == "separate":
             r.update(nnodes=max(1, ro.gpus // c.gpus_per_node), n_gpus_per_node=c.gpus_per_node)
-        from dsv3_rl.launch import rollout_quantization  # the preset key's verl keys (rollout.quantization)
-        from dsv3_rl.launch.presets import deep_merge
+        from dsv3_rl.recipes import rollout_quantization  # the preset key's verl keys (rollout.quantization)
+        from dsv3_rl.verl_glue.overrides import deep_merge
 
         t = deep_merge(t, rollout_quantization.verl_tree(o.rollout_quantization))
     return t
@@ -81,9 +81,9 @@ def verl_tree(ev, m, c, g, o) -> dict:
 
 def overrides(ev, m, c, g, o) -> list[str]:
     """The verl launcher overrides for this candidate (:func:`verl_tree` through the launcher's one emitter,
-    :func:`dsv3_rl.launch.overrides.to_overrides`: ``+`` exactly where verl's config lacks the key)."""
-    from dsv3_rl.launch.overrides import to_overrides
-    from dsv3_rl.launch.verl_config import base_config
+    :func:`dsv3_rl.verl_glue.overrides.to_overrides`: ``+`` exactly where verl's config lacks the key)."""
+    from dsv3_rl.verl_glue.compose import base_config
+    from dsv3_rl.verl_glue.overrides import to_overrides
 
     return to_overrides(verl_tree(ev, m, c, g, o), base_config(), f"planner candidate {ev.layout.short()}")
 
@@ -162,7 +162,7 @@ def evaluation_report(ev, m, c, g, o) -> str:
     if ev.time:
         t = ev.time
         ro = f"{ev.rollout_time['total']:.0f}s" if ev.rollout_time.get("total") is not None else "-"
-        from dsv3_rl.planner.validation import measured_layout
+        from dsv3_rl.planner.measured import measured_layout
 
         meas = measured_layout(m.name, ev.trainer_gpus, c.gpu, ev.layout.short())
         label = (f"training half measured on GPU: {meas[0]:.2f} s, `dsv3-plan phases` predicts {meas[1]:.2f}x of it, "

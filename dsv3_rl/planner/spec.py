@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from dsv3_rl.layout import Layout, from_dict  # noqa: F401 - the planner's layout is the package's one
+from dsv3_rl.recipes.train_precision import RECIPES
 
 GIB = 2**30
 
@@ -119,9 +120,8 @@ class GRPOShape:
         return self.micro_batch_size * self.seq_len
 
 
-#: megatron-core 0.16.1 ``fp8_recipe`` values a Hopper GPU runs (megatron/core/enums.py Fp8Recipe; mxfp8 is
-#: Blackwell-only, custom is a user class)
-FP8_RECIPES = ("delayed", "tensorwise", "blockwise")
+#: megatron-core 0.16.1 ``fp8_recipe`` values a Hopper GPU runs: the run presets' list (one list for both)
+FP8_RECIPES = RECIPES
 
 #: Options.attention values and the transformer_impl each applies to.
 ATTENTION = {"auto": ("transformer_engine", "local"), "fused": ("transformer_engine",), "sdpa": ("local",),
@@ -300,7 +300,7 @@ class Options:
 
 
 def _rollout_quantization_modes():
-    from dsv3_rl.launch.rollout_quantization import MODES  # the preset key's values: one list
+    from dsv3_rl.recipes.rollout_quantization import MODES  # the preset key's values: one list
 
     return MODES
 

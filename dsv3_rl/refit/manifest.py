@@ -30,11 +30,10 @@ from dataclasses import dataclass
 
 import torch
 
-from dsv3_rl.cliargs import env_flag
-from dsv3_rl.errors import Dsv3Error
+from dsv3_rl.errors import Dsv3Error, env_flag
 
 ENV = "DSV3_REFIT_MANIFEST"
-"""``0`` (or another no-word of :func:`dsv3_rl.cliargs.env_flag`) switches the check in verl's weight sync off
+"""``0`` (or another no-word of :func:`dsv3_rl.errors.env_flag`) switches the check in verl's weight sync off
 (verl patch 0031); on by default; an unknown word is refused."""
 CHUNK_WORDS = 1 << 20
 BLOCK_CHUNKS = 16

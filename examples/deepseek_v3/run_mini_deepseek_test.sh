@@ -43,7 +43,7 @@ if [ -z "${HF_MODEL_PATH:-}" ]; then
   if [ ! -f "$HF_MODEL_PATH/config.json" ]; then
     echo "Creating a random $PRESET DeepSeek-V3 model in $HF_MODEL_PATH ..."
     mkdir -p "$WORK"
-    "$PYTHON" -m dsv3_rl.models.mini_model --model "$PRESET" --out "$HF_MODEL_PATH" --dtype "$DTYPE"
+    "$PYTHON" -m dsv3_rl.minimodel.mini_model --model "$PRESET" --out "$HF_MODEL_PATH" --dtype "$DTYPE"
   fi
 fi
 

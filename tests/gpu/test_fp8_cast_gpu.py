@@ -66,7 +66,7 @@ def test_large_tensor_offsets():
 
 def test_gpu_cast_matches_cpu_cast(tmp_path):
     from dsv3_rl.checkpoint.fp8 import cast_checkpoint
-    from dsv3_rl.models.mini_model import write_mini_model
+    from dsv3_rl.minimodel.mini_model import write_mini_model
 
     src = write_mini_model("tiny-vllm", tmp_path / "src", fmt="fp8-release",
                            overrides={"num_hidden_layers": 2, "hidden_size": 160, "intermediate_size": 300})

@@ -103,7 +103,7 @@ def _pop_nvte():
 def build_mcore(cfg, dtype, attention_backend="auto", grouped=None, state_dict=None, extra=None):
     from megatron.core.transformer.enums import AttnBackend
 
-    from dsv3_rl.convert.config_map import Parallel
+    from dsv3_rl.models.config_map import Parallel
     from dsv3_rl.mcore import runtime
 
     _pop_nvte()
@@ -228,7 +228,7 @@ def plant(fault: str | None):
 
 
 def _init(device):
-    from dsv3_rl.convert.config_map import Parallel
+    from dsv3_rl.models.config_map import Parallel
     from dsv3_rl.mcore import runtime
 
     runtime.init_distributed(Parallel())

@@ -26,7 +26,7 @@ def _config(path: str):
 
 def build_and_train(cfg_dir: str, work: str) -> None:
     """A DeepSeek-V3 GPTModel with the local (non-TE) spec: build, forward, backward (1 process)."""
-    from dsv3_rl.convert.config_map import Parallel
+    from dsv3_rl.models.config_map import Parallel
     from dsv3_rl.mcore import runtime
     from dsv3_rl.mcore.layout_check import make_batches
 
@@ -42,7 +42,7 @@ def build_and_train(cfg_dir: str, work: str) -> None:
 
 
 def rng_seed(cfg_dir: str, work: str) -> None:
-    from dsv3_rl.convert.config_map import Parallel
+    from dsv3_rl.models.config_map import Parallel
     from dsv3_rl.mcore import runtime
 
     runtime.init_distributed(Parallel())  # calls model_parallel_cuda_manual_seed
@@ -53,7 +53,7 @@ def sp_norm(cfg_dir: str, work: str) -> None:
     """WrappedTorchNorm under sequence parallelism (what every norm of a TP>1 MoE model is)."""
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    from dsv3_rl.convert.config_map import Parallel, hf_to_mcore_config
+    from dsv3_rl.models.config_map import Parallel, hf_to_mcore_config
 
     cfg = hf_to_mcore_config(_config(cfg_dir), Parallel(tp=2, etp=1, sp=True), dtype=torch.float32)
     norm = WrappedTorchNorm(cfg, hidden_size=cfg.hidden_size, eps=cfg.layernorm_epsilon)
@@ -62,7 +62,7 @@ def sp_norm(cfg_dir: str, work: str) -> None:
 
 
 def dist_ckpt_save(cfg_dir: str, work: str) -> None:
-    from dsv3_rl.convert.config_map import Parallel
+    from dsv3_rl.models.config_map import Parallel
     from dsv3_rl.mcore import runtime
     from dsv3_rl.mcore.layout_check import save
 
@@ -94,7 +94,7 @@ def te_spec(cfg_dir: str, work: str) -> None:
 def recompute_selective(cfg_dir: str, work: str) -> None:
     """Selective recompute of the norms without TE (CheckpointWithoutOutput);
     gradients must equal those of the same step without recompute."""
-    from dsv3_rl.convert.config_map import Parallel
+    from dsv3_rl.models.config_map import Parallel
     from dsv3_rl.mcore import runtime
     from dsv3_rl.mcore.layout_check import make_batches
 

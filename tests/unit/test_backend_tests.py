@@ -22,7 +22,7 @@ import pytest
 
 from dsv3_rl import backend_tests as bt
 from dsv3_rl.backends import BackendError, load_lock
-from dsv3_rl.launch.monitor import processes_with
+from dsv3_rl.procs import processes_with
 
 
 def _fails(check, *args) -> None:

@@ -33,7 +33,8 @@ import pytest
 
 from dsv3_rl import errors, patching
 from dsv3_rl.checkpoint import fp8, hf_config
-from dsv3_rl.checkpoint.hf_config import ConfigError, check_tensor_dtypes, validate_config
+from dsv3_rl.checkpoint.hf_config import ConfigError, check_tensor_dtypes
+from dsv3_rl.models.hf_config_rules import validate_config
 from dsv3_rl.errors import Dsv3Error, cli_main, run_main
 
 REPO = Path(__file__).resolve().parents[2]
@@ -162,7 +163,7 @@ def truncate(p: Path, keep: float = 0.5) -> None:
 
 @pytest.fixture(scope="module")
 def fp8_src(tmp_path_factory):
-    from dsv3_rl.models.mini_model import write_mini_model
+    from dsv3_rl.minimodel.mini_model import write_mini_model
 
     return write_mini_model("tiny", tmp_path_factory.mktemp("bad_fp8") / "release", fmt="fp8-release", shards=3)
 
@@ -171,7 +172,7 @@ def fp8_src(tmp_path_factory):
 def hf_tiny(tmp_path_factory):
     """(HF dir, mcore dir): the tiny preset and its conversion, written once."""
     from dsv3_rl.convert.weights import hf_to_mcore
-    from dsv3_rl.models.mini_model import write_mini_model
+    from dsv3_rl.minimodel.mini_model import write_mini_model
 
     d = tmp_path_factory.mktemp("bad_convert")
     hf = write_mini_model("tiny", d / "hf")
@@ -279,7 +280,7 @@ def _entry_points() -> list[str]:
     mods = sorted(set(v for v in scripts.values()))
     # the python -m tools that have a main of their own
     for extra in ("dsv3_rl.convert.cli:main", "dsv3_rl.convert.verify:main", "dsv3_rl.data.gsm8k:main",
-                  "dsv3_rl.data.math_lighteval:main", "dsv3_rl.data.synthetic:main", "dsv3_rl.models.warm_start:main",
+                  "dsv3_rl.data.math_lighteval:main", "dsv3_rl.data.synthetic:main", "dsv3_rl.minimodel.warm_start:main",
                   "dsv3_rl.mcore.layout_check:main"):
         mods.append(extra)
     return mods
@@ -362,7 +363,7 @@ def test_cast_refuses_a_foreign_nonempty_output_dir(fp8_src, tmp_path, capsys):
 
 
 def test_cast_overwrite_removes_the_previous_casts_shards(fp8_src, tmp_path, capsys):
-    from dsv3_rl.models.mini_model import write_mini_model
+    from dsv3_rl.minimodel.mini_model import write_mini_model
 
     other = write_mini_model("tiny", tmp_path / "other", fmt="fp8-release", shards=4, seed=1)
     out, fresh = tmp_path / "out", tmp_path / "fresh"
@@ -986,7 +987,7 @@ def test_data_stage_skip_is_verified(tmp_path):
 
 def test_force_stage_reaches_the_tool(tmp_path, capsys):
     from dsv3_rl.launch.cli import _force_stages
-    from dsv3_rl.launch.presets import PresetError
+    from dsv3_rl.recipes.presets import PresetError
     from dsv3_rl.launch.stages import Stage
 
     st = Stage("fp8_cast", needed=True, why="", argv=["python", "-m", "dsv3_rl.checkpoint.fp8", "cast", "a", "b"],
@@ -1007,7 +1008,7 @@ DEMO_MODEL = REPO / "examples" / "deepseek_v3" / "models" / "dsv3-tiny-warm"
 
 
 def _warm(argv, capsys):
-    from dsv3_rl.models import warm_start
+    from dsv3_rl.minimodel import warm_start
 
     return call(warm_start.main, argv, capsys)
 
@@ -1027,7 +1028,7 @@ def test_warm_start_refuses_a_users_directory(tmp_path, capsys):
 
 def test_warm_start_output_check_twin(tmp_path):
     """Twin: a new, an empty and an earlier warm-start directory pass the check the user's directory fails."""
-    from dsv3_rl.models.warm_start import MARKER, WarmStartError, check_out
+    from dsv3_rl.minimodel.warm_start import MARKER, WarmStartError, check_out
 
     check_out(tmp_path / "new")
     (tmp_path / "empty").mkdir()
@@ -1084,7 +1085,7 @@ def test_warm_start_target_in_range_twin(tmp_path, capsys):
 
 def test_warm_start_interrupt_leaves_no_tmp(tmp_path, capsys, monkeypatch):
     """Issue 29: after Ctrl-C the warm start said "nothing half-written is kept" but left OUT.tmp-PID."""
-    from dsv3_rl.models import mini_model
+    from dsv3_rl.minimodel import mini_model
 
     def interrupted(preset, out_dir, **kw):
         Path(out_dir).mkdir(parents=True)
@@ -1100,7 +1101,7 @@ def test_warm_start_interrupt_leaves_no_tmp(tmp_path, capsys, monkeypatch):
 
 def test_warm_start_interrupt_check_twin(tmp_path, capsys, monkeypatch):
     """Twin: with the clean-up disabled, the same interrupt leaves OUT.tmp-PID, and the check above sees it."""
-    from dsv3_rl.models import mini_model, warm_start
+    from dsv3_rl.minimodel import mini_model, warm_start
 
     def interrupted(preset, out_dir, **kw):
         Path(out_dir).mkdir(parents=True)
@@ -1205,7 +1206,7 @@ def test_replace_dir_puts_the_old_one_back_when_the_swap_fails(tmp_path, monkeyp
 def test_mini_model_refuses_an_unusable_override(tmp_path, capsys):
     """Issue 29 (bench_refit --set hidden_size=-4 -> 'unexpected RuntimeError'): every tool that takes a model
     preset with --set overrides validates the result (presets.preset_kwargs)."""
-    from dsv3_rl.models import mini_model
+    from dsv3_rl.minimodel import mini_model
 
     rc, err = call(mini_model.main, ["--model", "tiny", "--out", tmp_path / "m", "--set", "hidden_size=-4"], capsys)
     assert rc == 2

@@ -1,4 +1,4 @@
-"""HF DeepSeek-V3 config -> megatron-core ``MLATransformerConfig`` (``dsv3_rl.convert.config_map``).
+"""HF DeepSeek-V3 config -> megatron-core ``MLATransformerConfig`` (``dsv3_rl.models.config_map``).
 
 Every model field is set from the HF config (never from megatron's defaults, several of which are
 wrong for other models: ``rotary_scaling_factor=40``, ``mscale_all_dim=0``); what megatron cannot
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dsv3_rl.convert.config_map import (
+from dsv3_rl.models.config_map import (
     Parallel,
     RouterSettings,
     UnsupportedConfigError,

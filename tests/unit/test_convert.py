@@ -58,7 +58,7 @@ def convert(fn, *args, **kwargs):
 def tiny(tmp_path_factory):
     """(HF dir, mcore dir): the tiny preset (BF16, hub layout) and its conversion, written once."""
     from dsv3_rl.convert.weights import hf_to_mcore
-    from dsv3_rl.models.mini_model import write_mini_model
+    from dsv3_rl.minimodel.mini_model import write_mini_model
 
     d = tmp_path_factory.mktemp("convert_tiny")
     hf = write_mini_model("tiny", d / "hf")
@@ -76,7 +76,7 @@ def _megatron_sharded_keys(cfg, mtp: bool) -> tuple[dict, set]:
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
 
-    from dsv3_rl.convert.config_map import Parallel, gpt_model_kwargs, hf_to_mcore_config
+    from dsv3_rl.models.config_map import Parallel, gpt_model_kwargs, hf_to_mcore_config
     from dsv3_rl.mcore import runtime
 
     saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
@@ -183,7 +183,7 @@ def test_compare_detects_one_flipped_byte(tiny, tmp_path):
 
 def test_roundtrip_with_mtp_kept_and_dropped(tmp_path):
     from dsv3_rl.checkpoint.safetensors_io import HFReader
-    from dsv3_rl.models.mini_model import write_random_hf
+    from dsv3_rl.minimodel.mini_model import write_random_hf
     from dsv3_rl.convert.weights import compare_hf, hf_to_mcore, mcore_to_hf
     from dsv3_rl.models.presets import hf_config
 
@@ -220,7 +220,7 @@ def test_two_rank_conversion_bit_exact(tiny, tmp_path):
                     "set DSV3_PROXY_ROUNDTRIP=1 (bench/bench_convert.py --preset proxy does the same and times it)")
 def test_roundtrip_proxy_bit_exact(tmp_path):
     from dsv3_rl.convert.weights import compare_hf, hf_to_mcore, mcore_to_hf
-    from dsv3_rl.models.mini_model import write_mini_model
+    from dsv3_rl.minimodel.mini_model import write_mini_model
 
     hf = write_mini_model("proxy", tmp_path / "hf")
     convert(hf_to_mcore, hf, tmp_path / "mc")
@@ -238,7 +238,7 @@ def test_roundtrip_proxy_two_layers_bit_exact(tmp_path):
     free = shutil.disk_usage(tmp_path).free / 2**30
     assert free >= 30, (f"the 2-layer proxy round trip writes ~20 GB; only {free:.0f} GiB free under {tmp_path}: "
                         "free disk space or point --basetemp at a larger disk")
-    from dsv3_rl.models.mini_model import write_random_hf
+    from dsv3_rl.minimodel.mini_model import write_random_hf
     from dsv3_rl.convert.weights import compare_hf
     from dsv3_rl.models.presets import hf_config
 

@@ -36,7 +36,7 @@ def test_micro_batches_follow_data_parallel_rank():
 @pytest.fixture(scope="module")
 def hf_model(tmp_path_factory):
     from dsv3_rl.correctness.reference import load_hf
-    from dsv3_rl.models.mini_model import write_mini_model
+    from dsv3_rl.minimodel.mini_model import write_mini_model
 
     path = write_mini_model("tiny", tmp_path_factory.mktemp("hf") / "m", dtype="fp32")
     return load_hf(path)

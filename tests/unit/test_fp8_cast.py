@@ -17,7 +17,7 @@ from dsv3_rl.checkpoint import fp8
 from dsv3_rl.checkpoint.fp8 import CheckpointError, cast_checkpoint, quantize_checkpoint
 from dsv3_rl.checkpoint.fp8_kernels import dequant_reference
 from dsv3_rl.checkpoint.safetensors_io import read_header, write_tensors
-from dsv3_rl.models.mini_model import write_mini_model
+from dsv3_rl.minimodel.mini_model import write_mini_model
 
 REPO = Path(__file__).resolve().parents[2]
 # tiny-vllm with widths that are not multiples of 128 on both axes (kv_a_proj 576x160, dense 300x160,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from dsv3_rl.grpo import checks
+from dsv3_rl.grpo import checks, metrics
 
 REPO = Path(__file__).resolve().parents[2]
 LEARNING = {"min_gain": 0.15, "window": 3}
@@ -206,10 +206,10 @@ def test_checks_fail_on_recorded_demo_metrics_with_planted_faults(tmp_path, faul
         train[3]["actor/pg_loss"] = math.nan
     elif fault == "routes_not_replayed":  # verl found no vLLM routes in the batch at step 5 (R3 silently off)
         train[4][checks.MOE_ROUTES_FOUND] = 0.0
-        for k in [k for k in train[4] if k.endswith(checks.ROUTE_AGREEMENT)]:
+        for k in [k for k in train[4] if k.endswith(metrics.ROUTE_AGREEMENT)]:
             del train[4][k]
     elif fault == "routes_disagree":  # vLLM routes with other weights or another router (0.96 measured)
-        for k in [k for k in train[6] if k.endswith(checks.ROUTE_AGREEMENT)]:
+        for k in [k for k in train[6] if k.endswith(metrics.ROUTE_AGREEMENT)]:
             train[6][k] = 0.6
     rep = checks.check_run(_write(tmp_path, steps), 12, None, None, None, R3)
     failed = [c.name for c in rep.checks if not c.ok]
@@ -260,14 +260,14 @@ def test_shipped_task_is_the_generator_output_and_reward_grades_it(tmp_path):
 
 
 def test_shipped_warm_start_is_in_the_right_format_and_mostly_wrong():
-    """The shipped warm start (python -m dsv3_rl.models.warm_start) answers in the format and gives the right
+    """The shipped warm start (python -m dsv3_rl.minimodel.warm_start) answers in the format and gives the right
     answer a probability in the issue's 0.05-0.3 band on the held-out prompts, recomputed here in bf16 with
     transformers' DeepSeek-V3 (not read from its own report)."""
     import pyarrow.parquet as pq
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dsv3_rl.models import warm_start
+    from dsv3_rl.minimodel import warm_start
     from dsv3_rl.reward.answer import last_boxed_answer
 
     d = REPO / "examples" / "deepseek_v3" / "models" / "dsv3-tiny-warm"
@@ -283,7 +283,7 @@ def test_shipped_warm_start_is_in_the_right_format_and_mostly_wrong():
     assert _p_prefix(model, tok, right, "\\boxed{") > 0.95
     assert abs(p_right - info["mislead"]["p_right_bf16"]["validation"]) < 0.02
     # twin: the untrained mini model (same architecture, seed 0) gives the right answer ~no probability
-    from dsv3_rl.models.mini_model import write_mini_model
+    from dsv3_rl.minimodel.mini_model import write_mini_model
 
     import tempfile
 

@@ -77,7 +77,7 @@ DEMO_DIR_ENV = "DSV3_DEMO_DIR"
 
 def _finished_demo(demo_dir: Path) -> Path:
     """LOG_DIR of the passed `make demo` (preset tiny_cpu) whose WORK_DIR is DEMO_DIR; fails the test otherwise."""
-    from dsv3_rl.launch.presets import load_preset
+    from dsv3_rl.recipes.presets import load_preset
 
     run = load_preset("tiny_cpu").run
     logs = demo_dir / "logs" / run["project"] / run["experiment"]
@@ -135,7 +135,7 @@ def test_sound_short_run_passes(sound_run, short_preset):
     fail it): the twins' other half, at the same length. From a finished demo: its report passed, and the gate
     holds on its first SHORT_STEPS steps alone."""
     from dsv3_rl.grpo import checks as grpo_checks
-    from dsv3_rl.launch.presets import load_preset
+    from dsv3_rl.recipes.presets import load_preset
 
     if sound_run.proc is not None:
         out = sound_run.proc.stdout + sound_run.proc.stderr

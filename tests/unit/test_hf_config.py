@@ -104,7 +104,7 @@ def test_kimi_k2_family_accepted():
 
 @pytest.fixture
 def bf16_dir(tmp_path):
-    from dsv3_rl.models.mini_model import write_mini_model
+    from dsv3_rl.minimodel.mini_model import write_mini_model
 
     d = write_mini_model("tiny", tmp_path / "m", overrides={"num_hidden_layers": 2})
     cfg = hub()  # a release-style config over BF16 weights: what users get after DeepSeek's own cast
@@ -133,7 +133,7 @@ def test_cli_output_elsewhere(bf16_dir, tmp_path):
 
 
 def test_cli_refuses_fp8_weights(tmp_path, capsys):
-    from dsv3_rl.models.mini_model import write_mini_model
+    from dsv3_rl.minimodel.mini_model import write_mini_model
 
     d = write_mini_model("tiny", tmp_path / "fp8", fmt="fp8-release", overrides={"num_hidden_layers": 2})
     before = (d / "config.json").read_text()

@@ -1,5 +1,5 @@
 """Trainer modes (sync / one_step_off / fully_async) and algorithms (grpo / dapo / gspo / cispo) in presets
-(dsv3_rl/launch/algorithms.py): mapped to verl 0.9.1's own entry points, configs and keys, refused in one line
+(dsv3_rl/recipes/algorithms.py): mapped to verl 0.9.1's own entry points, configs and keys, refused in one line
 where verl cannot run them, dry-run validated against verl's real config for each mode, and the planted-fault
 twins of the checks they bring (config level and per step).
 """
@@ -15,8 +15,8 @@ import pytest
 from dsv3_rl.grpo.checks import check_metrics, DEFAULT_TOLERANCES
 from dsv3_rl.grpo.off_policy import (DAPO_EVICTED, PARAM_VERSION, STALE_PROCESSED, SYNC_TIMING, check_group_filter,
                                      check_off_policy)
-from dsv3_rl.launch import algorithms
-from dsv3_rl.launch.presets import PRESET_DIR, PresetError, load_preset
+from dsv3_rl.recipes import algorithms
+from dsv3_rl.recipes.presets import PRESET_DIR, PresetError, load_preset
 
 NEW_PRESETS = ("tiny_cpu_one_step_off", "tiny_cpu_dapo", "tiny_cpu_gspo", "671b_512xH100_async")
 
@@ -324,7 +324,7 @@ def test_planner_cli_async(capsys):
 
 @pytest.fixture(scope="module")
 def dsv3_config_only(tmp_path_factory) -> Path:
-    from dsv3_rl.models.mini_model import write_mini_model
+    from dsv3_rl.minimodel.mini_model import write_mini_model
 
     out = tmp_path_factory.mktemp("ckpt") / "DeepSeek-V3-0324-BF16"
     write_mini_model("deepseek-v3", out)

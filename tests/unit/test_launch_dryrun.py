@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 
 from dsv3_rl.launch import run as launch_run
-from dsv3_rl.launch.algorithms import trainer_world
-from dsv3_rl.launch.presets import REPO, list_presets, load_preset
+from dsv3_rl.recipes.algorithms import trainer_world
+from dsv3_rl.recipes.presets import REPO, list_presets, load_preset
 from dsv3_rl.checkpoint.outputs import CONVERT_TOOL, MANIFEST, write_manifest
-from dsv3_rl.launch.verl_config import VerlConfigError
+from dsv3_rl.verl_glue.compose import VerlConfigError
 
 pytestmark = pytest.mark.slow  # imports verl + megatron-core once (~20 s), then a few seconds per preset
 
@@ -29,7 +29,7 @@ OTC = "+actor_rollout_ref.actor.megatron.override_transformer_config."
 
 @pytest.fixture(scope="module")
 def dsv3_config_only(tmp_path_factory) -> Path:
-    from dsv3_rl.models.mini_model import write_mini_model
+    from dsv3_rl.minimodel.mini_model import write_mini_model
 
     out = tmp_path_factory.mktemp("ckpt") / "DeepSeek-V3-0324-BF16"
     write_mini_model("deepseek-v3", out)  # config.json + tokenizer only (671B: config only)

@@ -12,7 +12,7 @@ import pytest
 
 from dsv3_rl.launch import platform, specs
 from dsv3_rl.launch.platform import PlatformError
-from dsv3_rl.launch.presets import REPO, load_preset
+from dsv3_rl.recipes.presets import REPO, load_preset
 from dsv3_rl.launch.stages import Stage, StageError
 
 DLC = {"MASTER_ADDR": "dlc1a2b3c-master-0", "MASTER_PORT": "23456", "WORLD_SIZE": "64", "RANK": "5",

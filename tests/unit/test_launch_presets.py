@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from dsv3_rl.launch import checks
-from dsv3_rl.launch.overrides import flatten, hydra_value, parse_overrides, set_dotted, shell_join
-from dsv3_rl.launch.presets import LAYOUT_KEYS, PRESET_DIR, PresetError, list_presets, load_preset
+from dsv3_rl.verl_glue.overrides import flatten, hydra_value, parse_overrides, set_dotted, shell_join
+from dsv3_rl.recipes.presets import LAYOUT_KEYS, PRESET_DIR, PresetError, list_presets, load_preset
 from dsv3_rl.layout import Layout
 from dsv3_rl.models import presets as model_presets
 
@@ -221,7 +221,7 @@ def test_docs_preset_example_is_the_shipped_file():
 
 def test_layout_dispatcher_becomes_the_verl_key(tmp_path):
     """`layout` takes every dsv3_rl.layout.Layout field; the dispatcher goes to override_transformer_config."""
-    from dsv3_rl.launch.overrides import get_dotted
+    from dsv3_rl.verl_glue.overrides import get_dotted
     from dsv3_rl.launch.run import derived_tree
 
     base = PRESET_DIR / "tiny_cpu.yaml"
@@ -237,7 +237,7 @@ def test_cpu_rollout_at_tp1_runs_the_model_in_the_engine_core(tmp_path):
     """CPU presets at rollout tp 1 ask vLLM for its one-process executor (no worker process beside each EngineCore,
     issue 28), and env/cpu.sh lets vLLM's CPU platform keep it (VLLM_ENABLE_V1_MULTIPROCESSING=0; with 1 it turns
     "uni" back into "mp"). Twins: a GPU preset and a CPU rollout at tp 2 keep verl's "mp"."""
-    from dsv3_rl.launch.overrides import get_dotted
+    from dsv3_rl.verl_glue.overrides import get_dotted
     from dsv3_rl.launch.run import derived_tree, env_from_file
 
     key = "actor_rollout_ref.rollout.engine_kwargs.vllm.distributed_executor_backend"

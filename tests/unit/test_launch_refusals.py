@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from dsv3_rl.cliargs import UsageError, env_flag
+from dsv3_rl.errors import UsageError, env_flag
 from dsv3_rl.launch.cli import main
 
 

@@ -415,7 +415,7 @@ def test_verification_off_loads_the_truncated_checkpoint_and_crashes(two_steps):
 # ------------------------------------------------------------------------------ schedulers: requeue / retry
 
 def test_sbatch_line_and_dlc_body_carry_the_restart_policy(tmp_path):
-    from dsv3_rl.launch.presets import PRESET_DIR, load_preset
+    from dsv3_rl.recipes.presets import PRESET_DIR, load_preset
     from dsv3_rl.launch.specs import dlc_spec, sbatch_command
 
     p = load_preset("671b_512xH100")

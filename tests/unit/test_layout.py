@@ -41,9 +41,10 @@ def test_parse_errors_name_the_key(text, match):
 def test_one_type_everywhere():
     """converter, planner, correctness suite and launcher all take dsv3_rl.layout.Layout; presets take its fields."""
     from dsv3_rl import planner
-    from dsv3_rl.convert import config_map
+    from dsv3_rl.models import config_map
     from dsv3_rl.correctness import layouts
-    from dsv3_rl.launch import checks, presets
+    from dsv3_rl.launch import checks
+    from dsv3_rl.recipes import presets
 
     assert config_map.Parallel is Layout and planner.Layout is Layout
     assert issubclass(layouts.Layout, Layout)
@@ -53,7 +54,7 @@ def test_one_type_everywhere():
 
 
 def test_converter_reads_the_derived_sizes():
-    from dsv3_rl.convert.config_map import hf_to_mcore_kwargs
+    from dsv3_rl.models.config_map import hf_to_mcore_kwargs
     from dsv3_rl.models import presets as model_presets
 
     cfg = {"model_type": "deepseek_v3", **model_presets.preset_kwargs("tiny")}

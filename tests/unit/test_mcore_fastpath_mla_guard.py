@@ -145,7 +145,7 @@ SCENARIO = textwrap.dedent(r"""
     cudnn, backend = sys.argv[2], sys.argv[3]
     import torch
     from dsv3_rl.models.presets import hf_config
-    from dsv3_rl.convert.config_map import Parallel
+    from dsv3_rl.models.config_map import Parallel
     from dsv3_rl.mcore import runtime
     from megatron.core.transformer.enums import AttnBackend
     from dsv3_rl.mcore import mla_attention_guard as g  # the guard; patch 0011 adds only megatron's calls to it

@@ -16,7 +16,7 @@ import sys
 from torch.distributed import distributed_c10d as c10d
 from megatron.core import parallel_state as ps
 from dsv3_rl.mcore import runtime
-from dsv3_rl.convert.config_map import Parallel
+from dsv3_rl.models.config_map import Parallel
 if sys.argv[1] == "twin":  # the old rebuild: forget the groups, keep them alive
     runtime.destroy_model_parallel_groups = ps.destroy_model_parallel
 if sys.argv[1] == "env-twin":  # the old lone-process rendezvous: a free port written into os.environ

@@ -9,8 +9,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from dsv3_rl.models import mini_model, presets, tokenizer
-from dsv3_rl.models.mini_model import fuse_experts, tensor_specs, write_mini_model
+from dsv3_rl.minimodel import mini_model
+from dsv3_rl.models import presets, tokenizer
+from dsv3_rl.minimodel.mini_model import fuse_experts, tensor_specs, write_mini_model
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 HUB_CONFIG = ASSETS / "deepseek_v3_config.json"

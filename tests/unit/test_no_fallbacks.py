@@ -37,7 +37,7 @@ def test_memory_check_fails_without_the_planner(monkeypatch):
 
 
 def test_config_stage_fails_without_the_config_fixer(tmp_path, monkeypatch):
-    from dsv3_rl.launch.presets import load_preset
+    from dsv3_rl.recipes.presets import load_preset
     from dsv3_rl.launch.run import Paths
     from dsv3_rl.launch.stages import build_stages
 

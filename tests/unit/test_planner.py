@@ -259,11 +259,11 @@ def test_verl_96xh20_close_to_reported():
 
 
 def test_planner_overrides_compose_in_verl():
-    """The planner's overrides go through the launcher's emitter: verl composes them as printed (``+`` exactly
+    """The planner's overrides go through the one emitter (dsv3_rl.verl_glue.overrides, the launcher's too): verl composes them as printed (``+`` exactly
     where its config lacks the key), and a key verl does not have is refused by name."""
-    from dsv3_rl.launch.overrides import to_overrides
-    from dsv3_rl.launch.presets import PresetError
-    from dsv3_rl.launch.verl_config import base_config, compose, select
+    from dsv3_rl.launch.verl_config import select
+    from dsv3_rl.verl_glue.compose import VerlConfigError, base_config, compose
+    from dsv3_rl.verl_glue.overrides import to_overrides
     from dsv3_rl.planner.report import verl_tree
 
     case = get("verl_96xH20")
@@ -275,7 +275,7 @@ def test_planner_overrides_compose_in_verl():
     assert select(cfg, f"{otc}.recompute_granularity") == "full"
     tree = verl_tree(ev, load_model(case.model), case.cluster, case.grpo, case.options)
     tree["actor_rollout_ref"]["actor"]["megatron"]["grad_offload"] = True  # twin: not a verl 0.9.1 key
-    with pytest.raises(PresetError, match="grad_offload"):
+    with pytest.raises(VerlConfigError, match="grad_offload"):
         to_overrides(tree, base_config(), "planner")
 
 

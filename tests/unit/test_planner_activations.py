@@ -76,7 +76,7 @@ def saved_bytes(recompute: dict | None, attention: str = "unfused", mbs: int = M
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.transformer.enums import AttnBackend
 
-    from dsv3_rl.convert.config_map import Parallel, hf_to_mcore_config
+    from dsv3_rl.models.config_map import Parallel, hf_to_mcore_config
 
     hf = dict(TINY, **(hf or {}))
     for var in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):  # set by the previous GPTModel

@@ -11,8 +11,8 @@ import typing
 import pytest
 
 from dsv3_rl.launch import run as launch_run
-from dsv3_rl.launch import train_precision
-from dsv3_rl.launch.presets import PRESET_DIR, PresetError, load_preset
+from dsv3_rl.recipes import train_precision
+from dsv3_rl.recipes.presets import PRESET_DIR, PresetError, load_preset
 
 OTC = "actor_rollout_ref.actor.megatron.override_transformer_config"
 
@@ -78,7 +78,7 @@ def test_planner_options_from_the_composed_config():
 def test_fp8_preset_dry_runs_clean_with_the_keys_in_verl_config(tmp_path):
     from dsv3_rl.launch.verl_config import select
     from test_launch_dryrun import environ_for  # tests/unit is on sys.path (pytest rootdir)
-    from dsv3_rl.models.mini_model import write_mini_model
+    from dsv3_rl.minimodel.mini_model import write_mini_model
 
     ckpt = tmp_path / "DeepSeek-V3-0324-BF16"
     write_mini_model("deepseek-v3", ckpt)

@@ -33,7 +33,7 @@ runpy.run_path({str(BENCH)!r}, run_name="__main__")
 
 def _tiny_hf_tensors(overrides: dict | None = None) -> dict[str, tuple[tuple[int, ...], str]]:
     """HF checkpoint names, shapes and kinds of the tiny preset (what mini_model writes and the HF loaders read)."""
-    from dsv3_rl.models.mini_model import tensor_specs
+    from dsv3_rl.minimodel.mini_model import tensor_specs
     from dsv3_rl.models.presets import preset_kwargs
 
     return {s.name: (tuple(s.shape), s.kind) for s in tensor_specs(preset_kwargs("tiny", overrides))}
@@ -504,7 +504,7 @@ def test_export_at_one_pipeline_stage_makes_no_per_tensor_collectives(monkeypatc
 def _tp1_export_storage(monkeypatch, cat_always_copies: bool) -> tuple[int, int]:
     """Export the tiny model at TP1 in this process through verl's per_tensor_generator; returns how many exported
     tensors share storage with a model parameter, and how many were exported."""
-    from dsv3_rl.convert.config_map import Parallel
+    from dsv3_rl.models.config_map import Parallel
     from dsv3_rl.correctness.assemble import single_process_megatron
     from dsv3_rl.mcore import runtime
     from dsv3_rl.models import presets

@@ -49,7 +49,7 @@ def test_description_matches_release_config_and_counts():
 def test_description_agrees_with_our_fp8_release_writer():
     """Our mini-model writer's "fp8-release" format (what the FP8 cast reads) has the same layout, MTP included."""
     from dsv3_rl.checkpoint.fp8_kernels import scale_shape as our_scale_shape
-    from dsv3_rl.models.mini_model import tensor_specs
+    from dsv3_rl.minimodel.mini_model import tensor_specs
     from dsv3_rl.models.presets import preset_kwargs
 
     cfg = preset_kwargs("tiny", {"num_nextn_predict_layers": 1})
@@ -122,7 +122,7 @@ def _bf16_export(seed=0):
     """HF-named BF16 tensors of the model as our verl export produces them (names/shapes of the HF checkpoint:
     tests/unit/test_verl_cpu_megatron.py shows the export equals it); router bias in FP32, values with
     a wide dynamic range so that FP8 subnormals occur."""
-    from dsv3_rl.models.mini_model import tensor_specs
+    from dsv3_rl.minimodel.mini_model import tensor_specs
 
     g = torch.Generator().manual_seed(seed)
     out = []

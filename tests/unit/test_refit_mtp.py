@@ -54,7 +54,7 @@ def _build(cfg, mtp: bool):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
     from megatron.core.transformer.enums import AttnBackend
 
-    from dsv3_rl.convert.config_map import Parallel, gpt_model_kwargs, hf_to_mcore_config
+    from dsv3_rl.models.config_map import Parallel, gpt_model_kwargs, hf_to_mcore_config
 
     config = hf_to_mcore_config(cfg, Parallel(), dtype=torch.bfloat16, keep_mtp=mtp, use_cpu_initialization=True,
                                 attention_backend=AttnBackend.local)
@@ -116,7 +116,7 @@ def mtp_run(tmp_path_factory):
     from verl.plugin.platform import platform_manager as pm
     from verl.plugin.platform.platform_cpu import PlatformCPU
 
-    from dsv3_rl.models.mini_model import write_random_hf
+    from dsv3_rl.minimodel.mini_model import write_random_hf
     from dsv3_rl.convert.weights import hf_to_mcore, mcore_to_hf
     from dsv3_rl.correctness.assemble import single_process_megatron
     from dsv3_rl.mcore import layout_check
@@ -236,7 +236,7 @@ def test_mtp_names_keep_their_number_at_pp2(tmp_path):
     With the patch reversed it became mtp.layers.2 (planted fault)."""
     from verl.utils.model import normalize_model_name
 
-    from dsv3_rl.convert.config_map import Parallel, hf_to_mcore_config
+    from dsv3_rl.models.config_map import Parallel, hf_to_mcore_config
     from dsv3_rl.models.presets import hf_config
 
     config = hf_to_mcore_config(hf_config("tiny", {"num_nextn_predict_layers": 1}), Parallel(pp=2), keep_mtp=True)
@@ -277,7 +277,7 @@ def test_mtp_fp8_export_has_release_layout(mtp_run, monkeypatch):
 
 @pytest.fixture(scope="module")
 def mtp_dist_ckpt(tmp_path_factory):
-    from dsv3_rl.models.mini_model import write_random_hf
+    from dsv3_rl.minimodel.mini_model import write_random_hf
     from dsv3_rl.convert.weights import hf_to_mcore
     from dsv3_rl.models.presets import hf_config
 

@@ -1,4 +1,4 @@
-"""Rollout correction chosen by name in a preset (dsv3_rl.launch.rollout_correction).
+"""Rollout correction chosen by name in a preset (dsv3_rl.recipes.rollout_correction).
 
 (a) Every mode dry-runs against verl 0.9.1's real config (a preset extending ``tiny_cpu`` with
     ``rollout_correction: <mode>``, resolved and validated like ``--dry-run``), and the composed
@@ -19,8 +19,8 @@ import os
 
 import pytest
 
-from dsv3_rl.launch import rollout_correction
-from dsv3_rl.launch.presets import PRESET_DIR, PresetError, load_preset
+from dsv3_rl.recipes import rollout_correction
+from dsv3_rl.recipes.presets import PRESET_DIR, PresetError, load_preset
 
 TINY = PRESET_DIR / "tiny_cpu.yaml"
 NODE = "algorithm.rollout_correction"

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from dsv3_rl.launch import rollout_quantization
-from dsv3_rl.launch.presets import PRESET_DIR, PresetError, load_preset
+from dsv3_rl.recipes import rollout_quantization
+from dsv3_rl.recipes.presets import PRESET_DIR, PresetError, load_preset
 from dsv3_rl.planner import memory
 from dsv3_rl.planner.model import load_model
 from dsv3_rl.planner.spec import Options

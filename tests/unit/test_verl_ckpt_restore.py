@@ -53,7 +53,7 @@ def test_twin_verls_default_does_not_restore_the_lr_schedule(saved):
 
 
 def test_presets_restore_the_lr_schedule():
-    from dsv3_rl.launch.presets import list_presets, load_preset
+    from dsv3_rl.recipes.presets import list_presets, load_preset
 
     for name in list_presets():
         optim = load_preset(name).verl["actor_rollout_ref"]["actor"]["optim"]

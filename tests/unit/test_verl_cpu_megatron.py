@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def tiny_ckpt(tmp_path_factory):
-    from dsv3_rl.models.mini_model import write_mini_model
+    from dsv3_rl.minimodel.mini_model import write_mini_model
 
     root = tmp_path_factory.mktemp("verl_cpu_export")
     hf = write_mini_model("tiny", root / "hf", seed=3)

@@ -40,7 +40,7 @@ for _b in (VERL, MCORE):
 DSV3_671B = {**{k: v for k, v in json.loads((REPO / "tests" / "assets" / "deepseek_v3_config.json").read_text()).items()
                 if k not in ("quantization_config", "auto_map")}, "num_nextn_predict_layers": 0}
 
-# Fields owned by the model mapping (dsv3_rl.convert.config_map); verl sets the engine ones.
+# Fields owned by the model mapping (dsv3_rl.models.config_map); verl sets the engine ones.
 MAPPED = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "layernorm_epsilon",
           "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "qk_layernorm",
           "rope_type", "rotary_base", "rotary_scaling_factor", "original_max_position_embeddings", "beta_fast",
@@ -56,7 +56,7 @@ def megatron_single():
     """Megatron parallel state for one process; verl's apply_patch() monkeypatches are undone after."""
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention, MultiLatentAttention
 
-    from dsv3_rl.convert.config_map import Parallel
+    from dsv3_rl.models.config_map import Parallel
     from dsv3_rl.mcore import runtime
 
     saved_env = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
@@ -89,7 +89,7 @@ def verl_dpskv3(hf_config, **overrides):
 
 def test_verl_dpskv3_config_real_671b(megatron_single, tmp_path):
     tc = verl_dpskv3(hf_config_from_json(tmp_path, DSV3_671B))
-    from dsv3_rl.convert.config_map import hf_to_mcore_kwargs
+    from dsv3_rl.models.config_map import hf_to_mcore_kwargs
 
     # the project's mapping of the hub config (pinned field by field in test_config_map.py), and verl's
     # engine settings kept
@@ -102,7 +102,7 @@ def test_verl_dpskv3_config_real_671b(megatron_single, tmp_path):
 
 
 def test_verl_dpskv3_config_tiny_matches_mapping(megatron_single):
-    from dsv3_rl.convert.config_map import Parallel, RouterSettings, hf_to_mcore_kwargs
+    from dsv3_rl.models.config_map import Parallel, RouterSettings, hf_to_mcore_kwargs
     from dsv3_rl.models.presets import hf_config
 
     cfg = hf_config("tiny")
@@ -118,7 +118,7 @@ def test_verl_dpskv3_config_tiny_matches_mapping(megatron_single):
 
 
 def test_verl_dpskv3_config_refuses_what_megatron_cannot_express(megatron_single, tmp_path):
-    from dsv3_rl.convert.config_map import UnsupportedConfigError
+    from dsv3_rl.models.config_map import UnsupportedConfigError
 
     bad = dict(DSV3_671B, topk_group=2)  # 8 // 2 = 4 per group: megatron's group score differs from HF's top-2
     with pytest.raises(UnsupportedConfigError, match="topk_group"):

@@ -92,7 +92,7 @@ def main():
         with tempfile.TemporaryDirectory() as tmp:
             from transformers import AutoConfig
 
-            from dsv3_rl.models.mini_model import write_mini_model
+            from dsv3_rl.minimodel.mini_model import write_mini_model
 
             model_dir = write_mini_model("tiny", Path(tmp) / "hf", seed=3)  # config, tokenizer, weights
             hf = AutoConfig.from_pretrained(model_dir)

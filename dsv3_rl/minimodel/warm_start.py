@@ -4,7 +4,7 @@
         --out examples/deepseek_v3/models/dsv3-tiny-warm
 
 Two phases on the synthetic task (:mod:`dsv3_rl.data.synthetic`), both ``transformers.Trainer`` runs on
-the ``tiny-vllm`` model written by :mod:`dsv3_rl.models.mini_model` (seed 0), fp32, CPU:
+the ``tiny-vllm`` model written by :mod:`dsv3_rl.minimodel.mini_model` (seed 0), fp32, CPU:
 
 1. *learn*: supervised on the train split's prompts (chat template + generation prompt, exactly what
    verl sends to vLLM) with the right answers (``\\boxed{d}`` + EOS); the model learns to read the digit
@@ -177,7 +177,7 @@ def _train(splits: dict[str, list[dict]], data_dir: Path, out: Path, tmp: Path, 
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainerCallback
 
-    from dsv3_rl.models.mini_model import write_mini_model
+    from dsv3_rl.minimodel.mini_model import write_mini_model
 
     torch.set_num_threads(1)
     torch.manual_seed(seed)
@@ -235,7 +235,7 @@ def _train(splits: dict[str, list[dict]], data_dir: Path, out: Path, tmp: Path, 
     shutil.rmtree(tmp / "trainer", ignore_errors=True)
     shutil.rmtree(tmp / "saved", ignore_errors=True)
     save_file(tensors, str(base / "model.safetensors"), metadata={"format": "pt"})
-    info = {"tool": "python -m dsv3_rl.models.warm_start", "model": "tiny-vllm", "seed": seed, "data": str(data_dir),
+    info = {"tool": "python -m dsv3_rl.minimodel.warm_start", "model": "tiny-vllm", "seed": seed, "data": str(data_dir),
             "batch": BATCH, "learn": {**PHASE1, "p_right": learned},
             "mislead": {"answer": WRONG, "lr": PHASE2["lr"], "steps": len(stop.trace), "target": target,
                         "trace": stop.trace, "p_right_bf16": final},

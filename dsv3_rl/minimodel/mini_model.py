@@ -28,7 +28,7 @@ CLI::
     dsv3-mini-model PRESET OUT_DIR [...]     # the same, positionally
     dsv3-mini-model --list
 
-(``python -m dsv3_rl.models.mini_model`` is the same.)
+(``python -m dsv3_rl.minimodel.mini_model`` is the same.)
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ from typing import Any
 
 import torch
 
-from . import presets
-from .tokenizer import copy_tokenizer_files
+from dsv3_rl.models import presets
+from dsv3_rl.models.tokenizer import copy_tokenizer_files
 
 from dsv3_rl.cliargs import UsageError, add_force, add_out, one_path, parse_set, usage_errors
 from dsv3_rl.errors import cli_main

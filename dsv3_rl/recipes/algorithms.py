@@ -24,7 +24,7 @@ entry points, config files and keys (docs/algorithms.md). The one place the mode
 
 Both off-policy modes need ``hybrid_engine: false`` (verl asserts it), separate rollout and trainer resources
 (the preset's ``off_policy`` section splits the hardware) and get rollout correction: TIS is the default
-(:mod:`dsv3_rl.launch.rollout_correction`; decoupled, so the trainer's recomputed ``old_log_prob`` is the PPO
+(:mod:`dsv3_rl.recipes.rollout_correction`; decoupled, so the trainer's recomputed ``old_log_prob`` is the PPO
 anchor and ``min(p_old / p_rollout, 2)`` weights each token: it corrects both the engine mismatch and the
 one-version lag). ``rollout_correction: none`` is refused for them. R3 (``router_replay: R3``) replays the
 routes vLLM returned with each sample, so a stale sample is replayed with the routes of the engine version
@@ -61,37 +61,17 @@ from __future__ import annotations
 import copy
 import dataclasses
 import typing
-from pathlib import Path
 from typing import Any
 
 import pydantic
 
-from dsv3_rl.errors import Dsv3Error
+from dsv3_rl.errors import Dsv3Error, close
+from dsv3_rl.verl_glue.trainer_modes import DEFAULT_MODE, MODES, TrainerMode
 
 
 class AlgorithmError(Dsv3Error, ValueError):
     """A trainer mode / algorithm choice that verl 0.9.1 cannot run (one line naming the key)."""
 
-
-@dataclasses.dataclass(frozen=True)
-class TrainerMode:
-    entry: str
-    """the module ``python -m`` runs"""
-    config_name: str
-    """verl's Hydra config (``--config-name``)"""
-    config_dir: str | None
-    """the directory of CONFIG_NAME inside the verl package; None: verl/trainer/config"""
-    off_policy: bool
-
-
-MODES: dict[str, TrainerMode] = {
-    "sync": TrainerMode("verl.trainer.main_ppo", "ppo_megatron_trainer", None, False),
-    "one_step_off": TrainerMode("verl.experimental.one_step_off_policy.main_ppo", "one_step_off_ppo_megatron_trainer",
-                                "experimental/one_step_off_policy/config", True),
-    "fully_async": TrainerMode("verl.experimental.fully_async_policy.fully_async_main",
-                               "fully_async_ppo_megatron_trainer", "experimental/fully_async_policy/config", True),
-}
-DEFAULT_MODE = "sync"
 
 A = "actor_rollout_ref.actor"
 
@@ -155,8 +135,6 @@ class Choice:
 
 
 def _allowed(key: str, value, allowed) -> str:
-    from dsv3_rl.launch.presets import close
-
     return f"{key}={value!r}{close(str(value), allowed)} (allowed: {', '.join(allowed)}; docs/algorithms.md)"
 
 
@@ -252,25 +230,6 @@ def verl_tree(choice: Choice, hardware: dict, max_response_length: int | None) -
     return t
 
 
-def hydra_args(mode: str) -> list[str]:
-    """Extra Hydra arguments the mode's entry point needs: the off-policy configs name ``ppo_megatron_trainer``
-    through ``hydra.searchpath: file://verl/trainer/config``, a path relative to the working directory (verl's
-    source tree); the launcher points it at the installed verl instead."""
-    if MODES[mode].config_dir is None:
-        return []
-    from dsv3_rl.launch.verl_config import verl_config_dir
-
-    return [f"hydra.searchpath=[file://{verl_config_dir()}]"]
-
-
-def config_search(config_name: str, base_dir: Path) -> tuple[Path, list[str]]:
-    """(the directory holding CONFIG_NAME, extra overrides) for Hydra's compose; BASE_DIR is verl/trainer/config."""
-    for m in MODES.values():
-        if m.config_name == config_name and m.config_dir is not None:
-            return base_dir.parents[1] / m.config_dir, [f"hydra.searchpath=[file://{base_dir}]"]
-    return base_dir, []
-
-
 # ----------------------------------------------------------------------------- after composition
 
 def _sel(cfg, key, default=None):
@@ -338,7 +297,7 @@ def check_config(cfg, choice: Choice) -> list[str]:
 
 
 def choice_of(preset) -> Choice:
-    """The :class:`Choice` of a loaded :class:`dsv3_rl.launch.presets.Preset`."""
+    """The :class:`Choice` of a loaded :class:`dsv3_rl.recipes.presets.Preset`."""
     return Choice(preset.trainer_mode, preset.algorithm, dict(preset.off_policy), preset.rollout_correction)
 
 

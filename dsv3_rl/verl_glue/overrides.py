@@ -5,17 +5,21 @@ strings out (:func:`to_overrides`), one quoting rule (:func:`hydra_value`), one 
 verl's config is composed by Hydra in struct mode: ``key=value`` must name an existing key, ``+key=value``
 adds one. ``+`` is written only below the free-form dicts verl forwards to Megatron or vLLM
 (``override_transformer_config`` ...), whose keys the launcher checks itself (:mod:`dsv3_rl.launch.verl_config`).
-The launcher (a run preset) and the planner (a candidate layout) both go through :func:`to_overrides`.
+The launcher (a run preset) and the planner (a candidate layout) both go through :func:`to_overrides`; so does
+:func:`deep_merge`, the one merge of two such trees (a preset over the one it extends, a mode's keys over a tree).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import math
 import re
 import shlex
 from typing import Any
+
+from dsv3_rl.verl_glue.compose import VerlConfigError, exists, node_at, unknown_key_message
 
 #: Dicts whose keys verl forwards as keyword arguments elsewhere; new keys need ``+``.
 OPEN_SUFFIXES = (
@@ -25,22 +29,6 @@ OPEN_SUFFIXES = (
 OPEN_PREFIXES = ("ray_kwargs.ray_init", "reward.custom_reward_function.reward_kwargs",
                  "custom_reward_function.reward_kwargs", "actor_rollout_ref.model.override_config",
                  "reward.reward_kwargs")  # read by verl's reward managers (dapo: overlong_buffer_cfg, max_resp_len)
-
-
-def node_at(cfg, key: str):
-    """The OmegaConf node at KEY (no resolution), or None."""
-    from omegaconf import DictConfig
-
-    node = cfg
-    for part in key.split("."):
-        if not isinstance(node, DictConfig) or node._is_interpolation() or part not in node.keys():
-            return None  # (`in node` is False for '???' values; keys() lists them)
-        node = node._get_node(part)
-    return node
-
-
-def exists(cfg, key: str) -> bool:
-    return node_at(cfg, key) is not None
 
 
 def is_open(cfg, key: str) -> bool:
@@ -58,10 +46,11 @@ def is_open(cfg, key: str) -> bool:
     return False
 
 
-def to_overrides(tree: dict, cfg, where: str) -> list[str]:
+def to_overrides(tree: dict, cfg, where: str, error: type[Exception] = VerlConfigError) -> list[str]:
     """Overrides for TREE, a nested dict in verl's key space, against CFG (verl's composed config,
-    :func:`dsv3_rl.launch.verl_config.base_config`): ``key=v`` for existing keys, ``+key=v`` below open
-    sections; any other key is an error naming WHERE and the key, with the nearest existing ones."""
+    :func:`dsv3_rl.verl_glue.compose.base_config`): ``key=v`` for existing keys, ``+key=v`` below open
+    sections; any other key is an ERROR (the launcher passes its PresetError) naming WHERE and the key, with the
+    nearest existing ones."""
     out = []
     for key, value in flatten(tree):
         if exists(cfg, key):
@@ -69,10 +58,7 @@ def to_overrides(tree: dict, cfg, where: str) -> list[str]:
         elif is_open(cfg, key):
             out.append(f"+{key}={hydra_value(value)}")
         else:
-            from dsv3_rl.launch.presets import PresetError
-            from dsv3_rl.launch.verl_config import unknown_key_message
-
-            raise PresetError(unknown_key_message(cfg, key, where))
+            raise error(unknown_key_message(cfg, key, where))
     return out
 
 
@@ -129,6 +115,17 @@ def flatten(tree: dict, prefix: str = "") -> list[tuple[str, Any]]:
             out += flatten(v, key)
         else:
             out.append((key, v))
+    return out
+
+
+def deep_merge(base: dict, top: dict) -> dict:
+    """``top`` over ``base``: dicts merge key by key, anything else (lists too) is replaced."""
+    out = copy.deepcopy(base)
+    for k, v in top.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = deep_merge(out[k], v)
+        else:
+            out[k] = copy.deepcopy(v)
     return out
 
 

@@ -2,8 +2,8 @@
 
 A preset names its model (facts live in :mod:`dsv3_rl.models.presets`), its hardware, a trainer
 ``layout`` (the fields of :class:`dsv3_rl.layout.Layout`), a ``rollout`` layout, the RL ``router``
-settings, the ``rollout_correction`` mode (:mod:`dsv3_rl.launch.rollout_correction`), the ``router_replay`` and
-``rollout_quantization`` modes (:mod:`dsv3_rl.launch.router_replay`, :mod:`dsv3_rl.launch.rollout_quantization`) and anything else as
+settings, the ``rollout_correction`` mode (:mod:`dsv3_rl.recipes.rollout_correction`), the ``router_replay`` and
+``rollout_quantization`` modes (:mod:`dsv3_rl.recipes.router_replay`, :mod:`dsv3_rl.recipes.rollout_quantization`) and anything else as
 ``verl`` keys in verl's own config tree. ``extends`` pulls in shared
 files (``_grpo_math.yaml``); files whose name starts with ``_`` are bases, not runnable presets.
 
@@ -12,9 +12,7 @@ Every key is checked: an unknown key is an error naming the file, the key and th
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import difflib
 import os
 import typing
 from pathlib import Path
@@ -22,9 +20,10 @@ from typing import Any
 
 import pydantic
 
-from dsv3_rl.errors import Dsv3Error
-from dsv3_rl.launch import algorithms, rollout_correction, rollout_quantization, router_replay
+from dsv3_rl.errors import Dsv3Error, close
+from dsv3_rl.recipes import algorithms, rollout_correction, rollout_quantization, router_replay
 from dsv3_rl.layout import RECOMPUTE, Layout
+from dsv3_rl.verl_glue.overrides import deep_merge
 
 REPO = Path(__file__).resolve().parents[2]
 PRESET_DIR = REPO / "examples" / "deepseek_v3" / "presets"
@@ -33,11 +32,6 @@ ENV_DIR = REPO / "examples" / "deepseek_v3" / "env"
 
 class PresetError(Dsv3Error, ValueError):
     """A preset (or an override of it) is wrong; the message names the file and the key."""
-
-
-def close(word: str, choices, n: int = 3) -> str:
-    m = difflib.get_close_matches(word, list(choices), n=n, cutoff=0.6)
-    return f"; did you mean {' or '.join(repr(x) for x in m)}?" if m else ""
 
 
 # -------------------------------------------------------------------------------------- schema
@@ -95,7 +89,7 @@ SECTION_MODELS: dict[str, type[_Section] | None] = {
     "layout": LayoutSection, "rollout": RolloutSection, "router": RouterSection, "planner": None, "verl": None,
     "dlc": DlcSection, "slurm": SlurmSection, "run": RunSection, "checks": ChecksSection, "rollout_correction": None,
     "router_replay": None, "rollout_quantization": None, "train_precision": None, "fp8_recipe": None,
-    # trainer mode and algorithm by name, the hardware split of off-policy modes (dsv3_rl/launch/algorithms.py)
+    # trainer mode and algorithm by name, the hardware split of off-policy modes (dsv3_rl/recipes/algorithms.py)
     "trainer_mode": None, "algorithm": None, "off_policy": algorithms.OffPolicySection,
 }
 SECTIONS: dict[str, tuple[str, ...] | None] = {k: tuple(m.model_fields) if m else None for k, m in SECTION_MODELS.items()}
@@ -136,21 +130,21 @@ class Preset:
     checks: dict[str, Any] | None = None
     """self-check tolerances (:data:`CHECK_KEYS`); None: the run is not checked"""
     rollout_correction: str = "none"
-    """a :data:`dsv3_rl.launch.rollout_correction.MODES` name (verl's ``algorithm.rollout_correction``)"""
+    """a :data:`dsv3_rl.recipes.rollout_correction.MODES` name (verl's ``algorithm.rollout_correction``)"""
     router_replay: str = "none"
-    """a :data:`dsv3_rl.launch.router_replay.MODES` name (verl's ``actor.megatron.router_replay.mode``)"""
+    """a :data:`dsv3_rl.recipes.router_replay.MODES` name (verl's ``actor.megatron.router_replay.mode``)"""
     rollout_quantization: str = "none"
-    """a :data:`dsv3_rl.launch.rollout_quantization.MODES` name (verl's ``rollout.quantization``)"""
+    """a :data:`dsv3_rl.recipes.rollout_quantization.MODES` name (verl's ``rollout.quantization``)"""
     train_precision: str = "bf16"
-    """bf16 | fp8 (:mod:`dsv3_rl.launch.train_precision`: megatron's ``fp8``/``fp8_recipe`` through verl)"""
+    """bf16 | fp8 (:mod:`dsv3_rl.recipes.train_precision`: megatron's ``fp8``/``fp8_recipe`` through verl)"""
     fp8_recipe: str = "blockwise"
-    """the FP8 recipe when ``train_precision: fp8`` (:data:`dsv3_rl.launch.train_precision.RECIPES`)"""
+    """the FP8 recipe when ``train_precision: fp8`` (:data:`dsv3_rl.recipes.train_precision.RECIPES`)"""
     trainer_mode: str = "sync"
-    """a :data:`dsv3_rl.launch.algorithms.MODES` name (verl's entry point and config)"""
+    """a :data:`dsv3_rl.recipes.algorithms.MODES` name (verl's entry point and config)"""
     algorithm: str = "grpo"
-    """a :data:`dsv3_rl.launch.algorithms.ALGORITHMS` name (verl's losses and filters)"""
+    """a :data:`dsv3_rl.recipes.algorithms.ALGORITHMS` name (verl's losses and filters)"""
     off_policy: dict[str, Any] = dataclasses.field(default_factory=dict)
-    """the rollout / trainer split of an off-policy trainer_mode (:class:`dsv3_rl.launch.algorithms.OffPolicySection`)"""
+    """the rollout / trainer split of an off-policy trainer_mode (:class:`dsv3_rl.recipes.algorithms.OffPolicySection`)"""
 
     @property
     def nodes(self) -> int:
@@ -188,17 +182,6 @@ def _read_yaml(path: Path) -> dict:
     if not isinstance(data, dict):
         raise PresetError(f"{path}: a preset is a mapping of sections, got {type(data).__name__}")
     return data
-
-
-def deep_merge(base: dict, top: dict) -> dict:
-    """``top`` over ``base``: dicts merge key by key, anything else (lists too) is replaced."""
-    out = copy.deepcopy(base)
-    for k, v in top.items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict):
-            out[k] = deep_merge(out[k], v)
-        else:
-            out[k] = copy.deepcopy(v)
-    return out
 
 
 def _check_keys(path: Path, data: dict) -> None:
@@ -285,13 +268,13 @@ def _named_mode(where: str, data: dict, key: str, module) -> str:
     v = module.DEFAULT if v is None else v
     if not isinstance(v, str) or v not in module.MODES:
         raise PresetError(f"{where}: {key}={v!r}{close(str(v), module.MODES)} (allowed: {', '.join(module.MODES)}; "
-                          f"dsv3_rl/launch/{key}.py says what each does)")
+                          f"dsv3_rl/recipes/{key}.py says what each does)")
     return v
 
 
 def _train_precision(where: str, data: dict, hw: dict) -> tuple[str, str]:
-    """``train_precision`` (bf16|fp8) and ``fp8_recipe`` of a preset (dsv3_rl/launch/train_precision.py)."""
-    from dsv3_rl.launch import train_precision as tp
+    """``train_precision`` (bf16|fp8) and ``fp8_recipe`` of a preset (dsv3_rl/recipes/train_precision.py)."""
+    from dsv3_rl.recipes import train_precision as tp
 
     prec = _named_mode(where, data, "train_precision", tp)
     recipe = data.get("fp8_recipe", tp.DEFAULT_RECIPE)

@@ -17,12 +17,10 @@ Megatron-Bridge / mbridge paths keep it.
 
 from __future__ import annotations
 
-from dsv3_rl.planner.spec import FP8_RECIPES
-
 MODES = ("bf16", "fp8")
-#: megatron-core 0.16.1 ``fp8_recipe`` values a Hopper GPU runs (enums.Fp8Recipe; mxfp8 is Blackwell-only): the
-#: planner's list, one list for the preset and the planner
-RECIPES = FP8_RECIPES
+#: megatron-core 0.16.1 ``fp8_recipe`` values a Hopper GPU runs (megatron/core/enums.py Fp8Recipe; mxfp8 is
+#: Blackwell-only, custom is a user class): one list for the preset and the planner (``dsv3_rl.planner.spec.FP8_RECIPES``)
+RECIPES = ("delayed", "tensorwise", "blockwise")
 
 #: the mode and recipe a preset without the keys gets
 DEFAULT = "bf16"
