@@ -269,7 +269,30 @@ def check_megatron_options(cfg) -> list[Finding]:
             out.append(Finding("error", "dist_ckpt", f"{base}.use_dist_checkpointing=True but {base}.dist_checkpointing_path is unset"))
     if not g(f"{M}.use_distributed_optimizer", True):
         out.append(Finding("warning", "optimizer", f"{M}.use_distributed_optimizer=False: every DP rank keeps full optimizer states"))
+    out += check_lr_schedule(cfg)
     return out
+
+
+def check_lr_schedule(cfg) -> list[Finding]:
+    """megatron-core's OptimizerParamScheduler asserts ``lr_warmup_steps < lr_decay_steps`` when the trainer builds its
+    optimizer (after the model is on the GPUs: the GPU box's proxy_4xH100 run of 2026-11-28 died there, 10 warm-up
+    steps over a 4-step run). verl takes the decay steps from ``optim.lr_decay_steps``, else the run's total steps,
+    and the warm-up from ``optim.lr_warmup_steps``, else ``lr_warmup_steps_ratio`` x decay
+    (verl/utils/megatron/optimizer.py)."""
+    g = lambda k, d=None: select(cfg, k, d)  # noqa: E731
+    opt = "actor_rollout_ref.actor.optim"
+    decay = g(f"{opt}.lr_decay_steps") or g("trainer.total_training_steps")
+    if not isinstance(decay, int) or decay <= 0:
+        return []  # the total comes from the data at run time
+    warm, ratio = g(f"{opt}.lr_warmup_steps"), g(f"{opt}.lr_warmup_steps_ratio")
+    if (warm is None or warm <= 0) and ratio is not None:
+        warm = int(ratio * decay)
+    if isinstance(warm, int) and warm >= decay:
+        src = f"{opt}.lr_decay_steps" if g(f"{opt}.lr_decay_steps") else "trainer.total_training_steps"
+        return [Finding("error", "optimizer", f"{opt}.lr_warmup_steps={warm} is not below the LR decay steps ({src}="
+                                              f"{decay}): megatron-core asserts lr_warmup_steps < lr_decay_steps once "
+                                              f"the model is built; lower the warm-up (0 for a short run)")]
+    return []
 
 
 def check_router(cfg, facts: dict[str, Any]) -> list[Finding]:

@@ -260,3 +260,23 @@ def test_cpu_rollout_at_tp1_runs_the_model_in_the_engine_core(tmp_path):
     text = src.read_text()
     assert 'os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "1"' in text and \
         'distributed_executor_backend = "mp"' in text, f"{src}: vLLM's rule changed; revisit run.derived_tree"
+
+
+def test_lr_warmup_not_below_the_decay_steps_is_refused_at_dry_run():
+    """megatron-core asserts lr_warmup_steps < lr_decay_steps only once the model is on the GPUs (proxy_4xH100 on the
+    GPU box, 2026-11-28: 10 warm-up steps of _grpo_math over a 4-step run). The dry run says it first; twins: a
+    warm-up below the total, a run whose total comes from the data, and the ratio form."""
+    from omegaconf import OmegaConf
+
+    def cfg(total, warm=None, ratio=None, decay=None):
+        return OmegaConf.create({"trainer": {"total_training_steps": total}, "actor_rollout_ref": {"actor": {"optim": {
+            "lr_warmup_steps": warm, "lr_warmup_steps_ratio": ratio, "lr_decay_steps": decay}}}})
+
+    f = checks.check_lr_schedule(cfg(4, warm=10))
+    assert len(f) == 1 and f[0].level == "error", f
+    assert "lr_warmup_steps=10 is not below the LR decay steps (trainer.total_training_steps=4)" in f[0].message
+    assert checks.check_lr_schedule(cfg(4, warm=3)) == []
+    assert checks.check_lr_schedule(cfg(None, warm=10)) == []
+    assert checks.check_lr_schedule(cfg(20, warm=0, ratio=1.0))[0].level == "error"  # ratio 1.0: warm-up == decay
+    assert checks.check_lr_schedule(cfg(20, warm=0, ratio=0.1)) == []
+    assert "optim.lr_decay_steps=5" in checks.check_lr_schedule(cfg(100, warm=5, decay=5))[0].message
