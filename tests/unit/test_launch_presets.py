@@ -280,3 +280,19 @@ def test_lr_warmup_not_below_the_decay_steps_is_refused_at_dry_run():
     assert checks.check_lr_schedule(cfg(20, warm=0, ratio=1.0))[0].level == "error"  # ratio 1.0: warm-up == decay
     assert checks.check_lr_schedule(cfg(20, warm=0, ratio=0.1)) == []
     assert "optim.lr_decay_steps=5" in checks.check_lr_schedule(cfg(100, warm=5, decay=5))[0].message
+
+
+@pytest.mark.parametrize("hw", ["h100", "h20"])
+def test_gpu_env_names_no_socket_interface_the_host_lacks(hw):
+    """env/h100.sh and env/h20.sh default NCCL/Gloo to eth0 (or MLP_SOCKET_IFNAME) only where the host has that
+    interface: a single-node box without eth0 would otherwise fail Gloo's 'Unable to find address for: eth0' in every
+    worker. Twins: an interface the host has (lo) is set, and a value the job set itself is always kept."""
+    from dsv3_rl.launch.run import env_from_file
+
+    f = PRESET_DIR.parent / "env" / f"{hw}.sh"
+    env = env_from_file(f, {"PATH": "/usr/bin:/bin", "MLP_SOCKET_IFNAME": "nosuchnic0"})
+    assert "NCCL_SOCKET_IFNAME" not in env and "GLOO_SOCKET_IFNAME" not in env, env
+    env = env_from_file(f, {"PATH": "/usr/bin:/bin", "MLP_SOCKET_IFNAME": "lo"})
+    assert env["NCCL_SOCKET_IFNAME"] == "lo" and env["GLOO_SOCKET_IFNAME"] == "lo"
+    env = env_from_file(f, {"PATH": "/usr/bin:/bin", "NCCL_SOCKET_IFNAME": "nosuchnic0"})
+    assert env.get("GLOO_SOCKET_IFNAME") == "nosuchnic0"  # the job's own choice is not second-guessed
