@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import signal
 import sys
 import time
@@ -36,15 +35,7 @@ def victims(log_dir: Path, pattern: str) -> list[int]:
         rid = json.loads((log_dir / ".dsv3-launch.json").read_text()).get("run_id")
     except (OSError, ValueError):
         return []
-    out = []
-    for pid in monitor.run_processes(rid) if rid else []:
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if re.search(pattern, cmd):
-            out.append(pid)
-    return out
+    return monitor.run_processes_matching(rid, pattern)
 
 
 def main() -> int:

@@ -160,6 +160,20 @@ def run_processes(run_id: str) -> list[int]:
     return processes_with(f"{RUN_ID_ENV}={run_id}")
 
 
+def run_processes_matching(run_id: str | None, pattern: str) -> list[int]:
+    """PIDs of RUN_ID's live processes whose command line matches the regex PATTERN (fault drills: the tests' fault
+    chain, scripts/kill_at_step.py); none without a run id."""
+    out = []
+    for pid in run_processes(run_id) if run_id else []:
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if re.search(pattern, cmd):
+            out.append(pid)
+    return out
+
+
 def pss_bytes(pids: list[int]) -> int:
     """Sum of the proportional set size of PIDS (``/proc/PID/smaps_rollup``); vanished processes count 0."""
     total = 0

@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 import signal
 import subprocess
 import threading
@@ -70,15 +69,7 @@ class Chain:
 
 
 def _pids(pattern: str, run_id: str | None) -> list[int]:
-    out = []
-    for pid in monitor.run_processes(run_id):
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if re.search(pattern, cmd):
-            out.append(pid)
-    return out
+    return monitor.run_processes_matching(run_id, pattern)
 
 
 def _run_id(log_dir: Path) -> str | None:
