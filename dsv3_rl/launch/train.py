@@ -25,7 +25,6 @@ import sys
 from pathlib import Path
 
 import re
-import shutil
 import threading
 import time
 import uuid
@@ -81,11 +80,18 @@ class _Manifests:
     """Writes ``dsv3-manifest.json`` into each checkpoint once verl's tracker names it (polled once a second by the
     watched run; the digests are computed in a thread, so progress lines and limits are not held up)."""
 
-    def __init__(self, ckpt_dir: Path, mode: str):
+    def __init__(self, ckpt_dir: Path, mode: str, attempt: str = ""):
         self.ckpt_dir, self.mode, self.done = Path(ckpt_dir), mode, set()
         self.threads: list[threading.Thread] = []
+        self.attempt = attempt  # the saves this attempt begins are recorded as this run's own (ckpt.record_saves)
+        self.dirs = ckpt.step_inodes(self.ckpt_dir)  # before the attempt starts
 
     def __call__(self) -> None:
+        if self.attempt:
+            try:
+                self.dirs = ckpt.record_saves(self.ckpt_dir, self.dirs, self.attempt)
+            except OSError as e:  # the ledger only decides between deleting and moving aside a partial save
+                say(f"could not record the saves of this attempt in {self.ckpt_dir / ckpt.SAVES}: {e}")
         n = ckpt.tracker_step(self.ckpt_dir)
         if self.mode == "off" or n is None or n in self.done:
             return
@@ -191,9 +197,10 @@ def _run_attempts(launch, env: dict[str, str], lock) -> int:
         if pending is not None and resume is not None and resume not in _logged(metrics):
             # the lost process struck between verl's save of step K and its metrics line: redo K from the checkpoint
             # before, so that the run's record (and the learning gate) has every step (at most save_freq steps)
+            aside = ckpt.move_aside(paths.ckpt / f"global_step_{resume}", "unlogged")
             say(f"step {resume} was checkpointed but its metrics were never logged (the run was lost in between): "
-                f"redoing it from the checkpoint before, so that every step is in the run's record")
-            shutil.rmtree(paths.ckpt / f"global_step_{resume}", ignore_errors=True)
+                f"redoing it from the checkpoint before, so that every step is in the run's record (the checkpoint "
+                f"is kept, moved aside to {aside.name})")
             resume = ckpt.prepare_resume(paths.ckpt, keep=None, mode=verify_mode, say=say)
         if resume is None or not (paths.ckpt / workdir.IDENTITY).is_file():  # a fresh run, or one from before
             workdir.record_identity(launch)
@@ -213,7 +220,7 @@ def _run_attempts(launch, env: dict[str, str], lock) -> int:
         run_id = uuid.uuid4().hex
         lock.update(run_id=run_id)
         t_att = time.monotonic()
-        manifests = _Manifests(paths.ckpt, verify_mode)
+        manifests = _Manifests(paths.ckpt, verify_mode, attempt=run_id)
         if resume is not None and resume >= total and set(range(1, total + 1)) <= _logged(metrics):
             say(f"every step up to {total} is trained, checkpointed and logged: main_ppo is not started")
             res = monitor.RunResult(code=0, seconds=0.0, peak_pss_bytes=0)

@@ -39,6 +39,9 @@ def _save_step(root: Path, step: int, scale: float = 1.0) -> Path:
         out.mkdir(parents=True)
         dcp.save(sd, checkpoint_id=str(out), no_dist=True)
         (out / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+    (d / "actor" / "ckpt_contents.json").write_text(json.dumps(  # verl writes it last, after every dist checkpoint
+        {"contents": {p: {"path": f"{p}/dist_ckpt", "format": "megatron_dist_checkpoint"}
+                      for p in ("model", "optimizer", "extra")}}))
     (d / "data.pt").write_bytes(b"dataloader-state")
     ckpt.set_tracker(root, step)
     return d
@@ -106,21 +109,163 @@ def test_twin_verification_off_resumes_the_damaged_checkpoint(two_steps):
     assert (two_steps / "global_step_8").is_dir()  # verl would load it: see test_verification_off_loads_and_crashes
 
 
-def test_incomplete_save_is_removed_and_keep_never_removes_the_only_good(tmp_path):
+def _partial(root: Path, step: int) -> Path:
+    """A save interrupted half-way (disk full, a kill): a shard, no .metadata, no ckpt_contents.json, no data.pt."""
+    part = root / f"global_step_{step}" / "actor" / "model" / "dist_ckpt"
+    part.mkdir(parents=True)
+    (part / "__0_0.distcp").write_bytes(b"x" * 100)
+    return root / f"global_step_{step}"
+
+
+def test_incomplete_save_is_moved_aside_and_keep_never_removes_the_only_good(tmp_path):
     root = tmp_path / "ckpt"
     for n in (4, 8, 12):
         ckpt.write_manifest(_save_step(root, n))
-    partial = root / "global_step_16" / "actor" / "model" / "dist_ckpt"  # a disk-full save: no tracker update
-    partial.mkdir(parents=True)
-    (partial / "__0_0.distcp").write_bytes(b"x" * 100)
+    _partial(root, 16)  # a disk-full save: no tracker update, and no launcher of this run saw it begin
     said: list[str] = []
     assert ckpt.prepare_resume(root, keep=2, say=said.append) == 12
     assert sorted(ckpt.step_dirs(root)) == [8, 12]  # 16 incomplete, 4 beyond max_actor_ckpt_to_keep=2
-    assert any("incomplete checkpoint" in s and "global_step_16" in s for s in said)
+    assert (root / "global_step_16.incomplete").is_dir()  # not ours to delete: moved aside, kept
+    assert any("step 16 is incomplete" in s and "moved aside" in s for s in said)
     # the newest is damaged and keep=1: the fallback (8) is kept, the damaged one moved aside, not lost
     _truncate(next((root / "global_step_12/actor/model/dist_ckpt").glob("*.distcp")))
     assert ckpt.prepare_resume(root, keep=1, say=said.append) == 8
     assert sorted(ckpt.step_dirs(root)) == [8] and (root / "global_step_12.damaged").is_dir()
+
+
+def test_this_runs_own_partial_save_is_deleted_any_other_moved_aside(tmp_path):
+    root = tmp_path / "ckpt"
+    ckpt.write_manifest(_save_step(root, 2))
+    before = ckpt.step_inodes(root)
+    _partial(root, 4)
+    ckpt.record_saves(root, before, "attempt-1")  # the launcher saw step 4's save begin during its attempt
+    said: list[str] = []
+    assert ckpt.prepare_resume(root, keep=None, say=said.append) == 2
+    assert not (root / "global_step_4").exists() and not (root / "global_step_4.incomplete").exists()
+    assert "removing the incomplete checkpoint" in said[0] and "a save of this run" in said[0].replace(
+        "an interrupted or failed save of this run", "a save of this run")
+    # twin: the same partial directory, replaced by another one (another inode): not provably ours, moved aside
+    _partial(root, 4)
+    said.clear()
+    assert ckpt.prepare_resume(root, keep=None, say=said.append) == 2
+    assert (root / "global_step_4.incomplete").is_dir() and "moved aside" in said[0]
+
+
+@pytest.mark.parametrize("tracker", ["abc", "", None], ids=["garbage", "empty", "deleted"])
+def test_a_bad_tracker_never_deletes_the_complete_checkpoint(tmp_path, tracker):
+    root = tmp_path / "ckpt"
+    ckpt.write_manifest(_save_step(root, 1))
+    if tracker is None:
+        (root / ckpt.TRACKER).unlink()
+    else:
+        (root / ckpt.TRACKER).write_text(tracker)
+    said: list[str] = []
+    assert ckpt.prepare_resume(root, keep=2, say=said.append) == 1
+    assert (root / "global_step_1").is_dir() and ckpt.tracker_step(root) == 1
+    (line,) = said  # one line says the fix
+    assert line.startswith(f"{ckpt.TRACKER} is {dict(abc='unreadable', empty='empty').get(tracker or 'x', '') or ''}")
+    assert "step 1 is the newest complete checkpoint (by its manifest)" in line and "now says 1" in line
+
+
+@pytest.mark.parametrize("tracker", ["abc", "", None], ids=["garbage", "empty", "deleted"])
+def test_twin_a_bad_tracker_and_only_a_partial_save_starts_over(tmp_path, tracker):
+    root = tmp_path / "ckpt"
+    _partial(root, 1)
+    if tracker is not None:
+        (root / ckpt.TRACKER).write_text(tracker)
+    said: list[str] = []
+    assert ckpt.prepare_resume(root, keep=2, say=said.append) is None
+    assert (root / "global_step_1.incomplete").is_dir() and not (root / ckpt.TRACKER).exists()
+
+
+def test_a_tracker_behind_a_complete_checkpoint_is_moved_forward(tmp_path):
+    root = tmp_path / "ckpt"
+    for n in (1, 2):
+        ckpt.write_manifest(_save_step(root, n))
+    ckpt.set_tracker(root, 1)  # the manifest of step 2, written only after the tracker named it, proves it complete
+    said: list[str] = []
+    assert ckpt.prepare_resume(root, keep=1, say=said.append) == 2
+    assert ckpt.tracker_step(root) == 2 and sorted(ckpt.step_dirs(root)) == [2]  # keep=1: step 1 goes, never 2
+    assert said[0] == (f"{ckpt.TRACKER} says 1 but step 2 is complete (by its manifest): resuming from step 2 "
+                       f"({ckpt.TRACKER} now says 2)")
+    # without a manifest: verl's completion markers (ckpt_contents.json, data.pt) and the byte ranges decide
+    ckpt.write_manifest(_save_step(root, 3))
+    (root / "global_step_3" / ckpt.MANIFEST).unlink()
+    ckpt.set_tracker(root, 2)
+    said.clear()
+    assert ckpt.prepare_resume(root, keep=None, say=said.append) == 3
+    assert "by verl's completion markers" in said[0] and "without digests" in said[1]
+
+
+def test_twin_a_save_killed_before_its_completion_markers_is_not_resumed(tmp_path):
+    root = tmp_path / "ckpt"
+    for n in (1, 2):
+        ckpt.write_manifest(_save_step(root, n))
+    (root / "global_step_2" / ckpt.MANIFEST).unlink()
+    (root / "global_step_2" / "actor" / "ckpt_contents.json").unlink()  # verl died before writing it
+    ckpt.set_tracker(root, 1)
+    said: list[str] = []
+    assert ckpt.prepare_resume(root, keep=None, say=said.append) == 1
+    assert (root / "global_step_2.incomplete").is_dir() and "no actor/ckpt_contents.json" in said[0]
+
+
+def test_a_checkpoint_resumed_without_digests_says_so(two_steps):
+    d8 = two_steps / "global_step_8"
+    (d8 / ckpt.MANIFEST).unlink()
+    shard = next((d8 / "actor/model/dist_ckpt").glob("*.distcp"))
+    b = bytearray(shard.read_bytes())
+    b[len(b) // 2] ^= 0x01  # one bit in the middle of the shard: no digest left to see it
+    shard.write_bytes(bytes(b))
+    said: list[str] = []
+    assert ckpt.prepare_resume(two_steps, keep=2, say=said.append) == 8
+    (line,) = said
+    assert line == (f"resuming step 8 without digests: its {ckpt.MANIFEST} is missing; its files' byte ranges "
+                    f"verify, a changed byte would not be seen")
+
+
+def test_twin_with_its_manifest_the_flipped_bit_is_found(two_steps):
+    shard = next((two_steps / "global_step_8/actor/model/dist_ckpt").glob("*.distcp"))
+    b = bytearray(shard.read_bytes())
+    b[len(b) // 2] ^= 0x01
+    shard.write_bytes(bytes(b))
+    said: list[str] = []
+    assert ckpt.prepare_resume(two_steps, keep=2, say=said.append) == 4
+    assert "checkpoint step 8 is damaged" in said[0] and "digest" in said[0]
+
+
+def test_an_unreadable_manifest_is_a_missing_one_never_a_reason_to_discard(two_steps):
+    (two_steps / "global_step_8" / ckpt.MANIFEST).write_text("{not json")
+    said: list[str] = []
+    assert ckpt.prepare_resume(two_steps, keep=2, say=said.append) == 8
+    assert (two_steps / "global_step_8").is_dir() and not (two_steps / "global_step_8.damaged").exists()
+    (line,) = said
+    assert "without digests: its dsv3-manifest.json is unreadable (JSONDecodeError" in line and "treated as missing" in line
+    # twin: an unreadable manifest AND a truncated shard: the byte ranges still find it, the run falls back to 4
+    _truncate(next((two_steps / "global_step_8/actor/model/dist_ckpt").glob("*.distcp")))
+    said.clear()
+    assert ckpt.prepare_resume(two_steps, keep=2, say=said.append) == 4
+    assert "checkpoint step 8 is damaged" in said[0] and "needs bytes" in said[0]
+
+
+def test_a_deleted_dist_checkpoint_that_verl_listed_is_damage(two_steps):
+    import shutil
+
+    (two_steps / "global_step_8" / ckpt.MANIFEST).unlink()
+    assert ckpt.verify(two_steps / "global_step_8") == []
+    shutil.rmtree(two_steps / "global_step_8/actor/optimizer")  # twin: the optimizer gone, verl's contents list it
+    problems = ckpt.verify(two_steps / "global_step_8")
+    assert problems and "actor/optimizer/dist_ckpt: missing" in problems[0] and "ckpt_contents.json lists it" in problems[0]
+
+
+def test_moving_aside_never_replaces_an_earlier_one(two_steps):
+    for k in range(2):
+        _truncate(next((two_steps / "global_step_8/actor/model/dist_ckpt").glob("*.distcp")))
+        assert ckpt.prepare_resume(two_steps, keep=2, say=lambda s: None) == 4
+        if k == 0:
+            import shutil
+
+            shutil.copytree(two_steps / "global_step_8.damaged", two_steps / "global_step_8")
+    assert (two_steps / "global_step_8.damaged").is_dir() and (two_steps / "global_step_8.damaged.2").is_dir()
 
 
 def test_find_saved_model_uses_verls_layout_not_a_substring(tmp_path):
@@ -282,6 +427,7 @@ def test_a_step_checkpointed_but_not_logged_is_redone_after_a_restart(tmp_path, 
     rep = json.loads((tmp_path / "logs/report.json").read_text())
     assert [s["step"] for s in rep["steps"]] == [1, 2, 3, 4, 5, 6]  # every step in the record
     assert rep["run"]["restarts"][0]["steps_repeated"] == 2  # = save_freq
+    assert (tmp_path / "ckpt/global_step_4.unlogged/actor/ckpt_contents.json").is_file()  # complete: kept, aside
 
 
 @pytest.mark.timeout(240)
