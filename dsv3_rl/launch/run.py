@@ -188,6 +188,12 @@ def derived_tree(preset: Preset, model_cfg: dict) -> dict:
     return deep_merge(t, algorithms.verl_tree(algorithms.choice_of(preset), preset.hardware, resp))
 
 
+#: the verl keys :func:`path_tree` sets: where the run's inputs and outputs are, not what the run is (a moved or
+#: copied run directory is the same run: dsv3_rl.launch.workdir.identity leaves them out)
+PATH_KEYS = ("actor_rollout_ref.model.path", "data.train_files", "data.val_files", "trainer.default_local_dir",
+             "reward.custom_reward_function.path", f"{M}.dist_checkpointing_path", f"{REF_M}.dist_checkpointing_path")
+
+
 def path_tree(preset: Preset, paths: Paths) -> dict:
     t: dict = {}
     set_dotted(t, "actor_rollout_ref.model.path", str(paths.hf))

@@ -605,3 +605,30 @@ def test_a_manifest_written_after_the_damage_does_not_vouch_for_it(tmp_path):
     problems = ckpt.verify(d)
     assert problems and "needs bytes" in problems[0] and "embedding.word_embeddings.weight" in problems[0]
     assert ckpt.verify(_save_step(root, 8)) == []  # twin: an intact step without a manifest verifies
+
+
+def test_a_moved_run_directory_resumes_paths_are_not_settings(tmp_path):
+    """issue 41: a run directory copied or moved elsewhere (WORK_DIR changes, so every path override does) is the same
+    run; the launcher once called the new paths "other settings" and advised abandoning the checkpoints."""
+    import shutil
+
+    from dsv3_rl.launch import run as launch_run
+    from dsv3_rl.launch.overrides import flatten
+
+    def resolve(work, *overrides):
+        return launch_run.resolve("tiny_cpu", list(overrides), {**os.environ, "WORK_DIR": str(work)}, validate=False)
+
+    a = resolve(tmp_path / "a")
+    _save_step(a.paths.ckpt, 2)
+    workdir.record_identity(a)
+    shutil.move(tmp_path / "a", tmp_path / "b")
+    b = resolve(tmp_path / "b")
+    assert b.paths.ckpt != a.paths.ckpt and b.paths.ckpt.is_dir()
+    assert workdir.identity_mismatch(b) is None
+    # twin: a setting that is not a path, in the moved directory, is still another run
+    why = workdir.identity_mismatch(resolve(tmp_path / "b", "actor_rollout_ref.actor.optim.lr=0.5"))
+    assert why and "other settings (actor_rollout_ref.actor.optim.lr:" in why
+    # every path the launcher's path wiring sets is a path key (a new one must be added to run.PATH_KEYS)
+    p = types.SimpleNamespace(weights={"dist_ckpt": True})
+    wired = {k for k, v in flatten(launch_run.path_tree(p, b.paths)) if str(v).startswith("/")}
+    assert len(wired) == 7 and wired <= set(launch_run.PATH_KEYS)
