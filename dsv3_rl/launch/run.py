@@ -290,6 +290,37 @@ def _apply_user(tree: dict, user: list[Override]) -> list[str]:
     return rest
 
 
+def check_value_types(cfg, base, tree: dict, user: list[Override], preset: str) -> None:
+    """A value of the wrong kind for verl's key (``data.train_batch_size=abc``: verl's default is a number) is bad
+    input, from the command line and from the preset alike: VerlConfigError (one line, exit 2) naming the key and
+    where the value came from; the checks would otherwise crash on it."""
+    from omegaconf import OmegaConf
+
+    want = dict(flatten(OmegaConf.to_container(base, resolve=False)))
+    got = dict(flatten(OmegaConf.to_container(cfg, resolve=False)))
+    from_user = {o.key for o in user}
+    from_preset = {k for k, _ in flatten(tree)}
+    errs = []
+    for k in sorted(from_user | from_preset):
+        if k not in want or k not in got or want[k] is None or got[k] is None:
+            continue
+        w, v = want[k], got[k]
+        if isinstance(v, str) and v.startswith("${"):
+            continue  # an interpolation: resolved by verl
+        if isinstance(w, bool):
+            ok = isinstance(v, bool)
+        elif isinstance(w, (int, float)):
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool)  # (verl's yaml writes 0 for floats too)
+        else:
+            continue
+        if not ok:
+            src = "the command line" if k in from_user else f"preset {preset}"
+            kind = "true/false" if isinstance(w, bool) else "a number"
+            errs.append(f"{k}={v!r} (from {src}): verl's {k} is {kind} (its default: {w!r})")
+    if errs:
+        raise VerlConfigError("; ".join(errs[:3]) + (f"; +{len(errs) - 3} more" if len(errs) > 3 else ""))
+
+
 def resolve(preset_name: str, user_overrides: list[str] | None = None, environ: dict[str, str] | None = None,
             *, validate: bool = True) -> Launch:
     """Everything about a run, checked. Raises PresetError / VerlConfigError for unusable input; findings
@@ -338,6 +369,7 @@ def resolve(preset_name: str, user_overrides: list[str] | None = None, environ: 
 
     # compose + check ------------------------------------------------------------------------------------
     cfg = compose(preset.config_name, overrides + rest)
+    check_value_types(cfg, base, tree, user, preset.name)
     launch.cfg = cfg
     from omegaconf import OmegaConf
 
