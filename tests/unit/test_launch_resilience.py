@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -346,6 +347,15 @@ FAKE_PPO = textwrap.dedent("""
     metrics, root = os.environ["VERL_FILE_LOGGER_PATH"], {root!r}
     total, save, fail_at, mode = 6, 2, int(os.environ.get("FAKE_FAIL_AT", 0)), os.environ.get("FAKE_MODE", "")
     (open(os.environ["FAKE_STARTS"], "a")).write("start\\n")
+    launches = open(os.environ["FAKE_STARTS"]).read().count("start")
+    if mode == "startfail" and launches == 1:  # ray.init on a loaded box right after a teardown (issue 41)
+        print("Traceback (most recent call last):\\n  File \\"ray/_private/node.py\\", line 1242, in start_ray_processes\\n"
+              "Exception: The current node timed out during startup. This could happen because some of the Ray "
+              "processes failed to startup.", flush=True)
+        sys.exit(1)
+    if mode in ("vanish", "hang") and launches == 1:  # a trainer worker as Ray names it (ray::WorkerDict)
+        import subprocess
+        worker = subprocess.Popen(["bash", "-c", "exec -a ray::WorkerDict sleep 600"])
     start = (ckpt.tracker_step(root) or 0) + 1
     print("FAKE resumed from", start - 1, flush=True)
     for step in range(start, total + 1):
@@ -357,6 +367,14 @@ FAKE_PPO = textwrap.dedent("""
                 print("torch.distributed.checkpoint.api.CheckpointException: CheckpointException ranks:dict_keys([0])"
                       "\\nOSError: [Errno 28] No space left on device", flush=True)
                 sys.exit(1)
+            if mode in ("vanish", "hang"):  # during the save of this step: its directory appears, then silence
+                part = __import__("pathlib").Path(root) / f"global_step_{{step}}" / "actor" / "model" / "dist_ckpt"
+                part.mkdir(parents=True)
+                (part / "__0_0.distcp").write_bytes(b"x" * 1000)
+                if mode == "vanish":  # kill -9 of the worker; its forked save child lives on, holding its sockets
+                    subprocess.Popen(["bash", "-c", "exec -a ray::WorkerDict-save-child sleep 600"])
+                    worker.kill()
+                time.sleep(600)  # Ray never reports it: no log line, no exit
             if mode == "engine":
                 print("(AsyncvLLMServer pid=777) vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered "
                       "an issue", flush=True)
@@ -459,6 +477,71 @@ def test_dead_engine_is_stopped_without_a_timeout_and_restarted(tmp_path, capsys
     assert "RESTART 1/1: the vLLM engine (EngineCore) lost during step 3" in out  # pid 777 is the reporter's
     # nothing of this run left (its processes carry its metrics path; another test's run may share the machine)
     assert not monitor.run_ids(f"VERL_FILE_LOGGER_PATH={tmp_path / 'logs' / 'metrics.jsonl'}")
+
+
+@pytest.mark.slow  # 10-30 s on 2 cores
+@pytest.mark.timeout(240)
+def test_a_worker_killed_during_a_save_is_a_loss_not_a_hang(tmp_path, capsys, monkeypatch):
+    """issue 41: kill -9 of a trainer worker while it saves: its forked save child lives on, Ray says nothing, the
+    run was silent until run.timeout_s (GPU presets: for ever). The vanished process is the loss: named with its
+    pid, the attempt stopped (the orphaned save child with it), the partial save removed, the run restarted."""
+    monkeypatch.setattr(monitor, "LOST_GRACE_S", 2.0)
+    monkeypatch.setattr(train, "START_RETRY_WAIT_S", 0.0)
+    launch = _fake_launch(tmp_path, max_restarts=1)
+    t0 = time.monotonic()
+    assert train.run_single_node(launch, _env(tmp_path, FAKE_FAIL_AT="4", FAKE_MODE="vanish")) == 0
+    assert time.monotonic() - t0 < 200  # the fake sleeps 600 s: only the launcher ends it
+    out = capsys.readouterr().out
+    m = re.search(r"RESTART 1/1: a Ray worker \(WorkerDict, pid (\d+)\) lost during step 4", out)
+    assert m, out[-3000:]
+    assert "removing the incomplete checkpoint" in out and "global_step_4" in out  # this run's own partial save
+    assert not (tmp_path / "ckpt/global_step_4.incomplete").exists()
+    assert not monitor.run_ids(f"VERL_FILE_LOGGER_PATH={tmp_path / 'logs' / 'metrics.jsonl'}")  # the save child too
+    assert "GRPO fake PASSED: 6/6 steps" in out.strip().splitlines()[-1]
+
+
+@pytest.mark.slow  # 10-30 s on 2 cores
+@pytest.mark.timeout(240)
+def test_a_silent_stall_ends_the_attempt_at_the_stall_limit(tmp_path, capsys, monkeypatch):
+    """The watchdog: no new metrics for the stall limit (said in the progress lines) ends the attempt as lost;
+    twin: the same run with the limit far away (the fake sleeps 600 s) is not ended by the test's deadline."""
+    monkeypatch.setattr(monitor, "STALL_MIN_S", 8.0)
+    monkeypatch.setattr(monitor, "WATCHED", ())  # the worker stays: only the stall is left to see
+    launch = _fake_launch(tmp_path, max_restarts=1)
+    assert train.run_single_node(launch, _env(tmp_path, FAKE_FAIL_AT="4", FAKE_MODE="hang")) == 0
+    out = capsys.readouterr().out
+    assert "(stall limit 8s)" in out
+    assert "RESTART 1/1: the run, stalled (no new metrics for 8s, its stall limit) lost during step 4" in out
+    assert "GRPO fake PASSED: 6/6 steps" in out.strip().splitlines()[-1]
+
+
+def test_twin_stall_bound_needs_a_measured_step():
+    assert monitor.stall_bound([]) is None  # the start-up: run.timeout_s alone
+    assert monitor.stall_bound([10.0, 200.0]) == max(monitor.STALL_MIN_S, 1000.0)
+    assert monitor.stall_bound([1.0]) == monitor.STALL_MIN_S
+
+
+@pytest.mark.slow  # 10-30 s on 2 cores
+@pytest.mark.timeout(240)
+def test_a_failed_ray_start_is_retried_and_counted(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(train, "START_RETRY_WAIT_S", 0.0)
+    launch = _fake_launch(tmp_path, max_restarts=1)
+    assert train.run_single_node(launch, _env(tmp_path, FAKE_MODE="startfail")) == 0
+    out = capsys.readouterr().out
+    assert "RESTART 1/1: a failed start of Ray or vLLM (Exception: The current node timed out during startup" in out
+    assert "before step 1" in out and "retrying the start with a fresh Ray cluster" in out
+    rep = json.loads((tmp_path / "logs/report.json").read_text())
+    assert "timed out during startup" in rep["run"]["restarts"][0]["cause"]
+    assert "GRPO fake PASSED: 6/6 steps" in out.strip().splitlines()[-1]
+
+
+@pytest.mark.timeout(240)
+def test_twin_a_failed_start_without_restarts_names_the_cause_in_the_summary(tmp_path, capsys):
+    launch = _fake_launch(tmp_path, max_restarts=0)
+    assert train.run_single_node(launch, _env(tmp_path, FAKE_MODE="startfail")) == 1
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "GRPO fake FAILED: 0/6 steps" in last and "The current node timed out during startup" in last
+    assert "no restart left (run.max_restarts=0)" in last
 
 
 @pytest.mark.slow  # 10-26 s on 2 cores: out of the developer loop (make test-fast < 5 min, issue 28)
