@@ -62,9 +62,12 @@ LOST_PATTERNS = (
 START_FAILED = re.compile(r"The current node timed out during startup|Failed to (?:start|connect to) the GCS|"
                           r"ray\.init\(\) .*timed out|Timed out (?:waiting|while waiting) for .*(?:raylet|GCS|node)|"
                           r"Failed to register worker .* to Raylet|ConnectionError: .*(?:raylet|GCS)", re.I)
-#: processes of a run whose disappearance is a loss (patterns on /proc/PID/cmdline; group: the process's name)
-WATCHED = (re.compile(r"^ray::(WorkerDict|TaskRunner\w*)"), re.compile(r"^(EngineCore\w*)|VLLM::(EngineCore\w*)"),
-           re.compile(r"/(raylet)(?:\s|$)"), re.compile(r"/(gcs_server)(?:\s|$)"))
+#: processes of a run whose disappearance is a loss (patterns on the process's argv[0], which Ray and vLLM set to
+#: the process title; group: its name). Never on the whole command line: every Ray worker, the idle ones that come
+#: and go included, has ``--raylet-name=.../sockets/raylet`` among its arguments (a first version took them for
+#: the raylet: measured on the real run, 2026-11-28)
+WATCHED = (re.compile(r"^ray::(WorkerDict|TaskRunner\w*)"), re.compile(r"^(EngineCore\w*)|^VLLM::(EngineCore\w*)"),
+           re.compile(r"/(raylet)$"), re.compile(r"/(gcs_server)$"))
 STALL_MIN_S = 600.0
 """the least stall bound, seconds (a checkpoint save or a validation pass may take several steps' time)"""
 STALL_FACTOR = 5.0
@@ -142,7 +145,7 @@ def watched_processes(run_id: str) -> dict[int, str]:
     out = {}
     for pid in run_processes(run_id):
         try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace").strip()
         except OSError:
             continue
         for pat in WATCHED:

@@ -515,6 +515,26 @@ def test_a_silent_stall_ends_the_attempt_at_the_stall_limit(tmp_path, capsys, mo
     assert "GRPO fake PASSED: 6/6 steps" in out.strip().splitlines()[-1]
 
 
+def test_watched_processes_are_named_by_their_title_not_their_arguments(tmp_path):
+    """A Ray worker's arguments name the raylet's socket (``--raylet-name=.../sockets/raylet``): the first version
+    watched every such worker as "the raylet" and the real run lost its start-up to idle workers that exited. Twin: a
+    process whose title is the raylet's path is watched."""
+    rid = "watch" + os.urandom(4).hex()
+    env = {**os.environ, monitor.RUN_ID_ENV: rid}
+    worker = subprocess.Popen(["bash", "-c", "exec -a python sleep 60 --raylet-name=/tmp/ray/s/sockets/raylet"], env=env)
+    raylet = subprocess.Popen(["bash", "-c", "exec -a /opt/ray/core/src/ray/raylet/raylet sleep 60"], env=env)
+    engine = subprocess.Popen(["bash", "-c", "exec -a VLLM::EngineCore sleep 60"], env=env)
+    try:
+        deadline = time.monotonic() + 10
+        while len(monitor.watched_processes(rid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert monitor.watched_processes(rid) == {raylet.pid: "raylet", engine.pid: "EngineCore"}
+    finally:
+        for q in (worker, raylet, engine):
+            q.kill()
+            q.wait()
+
+
 def test_twin_stall_bound_needs_a_measured_step():
     assert monitor.stall_bound([]) is None  # the start-up: run.timeout_s alone
     assert monitor.stall_bound([10.0, 200.0]) == max(monitor.STALL_MIN_S, 1000.0)
