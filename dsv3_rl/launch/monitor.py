@@ -140,19 +140,41 @@ def stall_bound(step_seconds: list[float]) -> float | None:
     return max(STALL_MIN_S, STALL_FACTOR * max(step_seconds))
 
 
+def _title(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace").strip()
+    except OSError:
+        return None
+
+
+def _watched_name(title: str | None) -> str | None:
+    for pat in WATCHED:
+        m = pat.search(title or "")
+        if m:
+            return next(g for g in m.groups() if g)
+    return None
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def watched_processes(run_id: str) -> dict[int, str]:
-    """``{pid: name}`` of the run's processes whose loss ends an attempt (:data:`WATCHED`)."""
+    """``{pid: name}`` of the run's processes whose loss ends an attempt (:data:`WATCHED`). A fork of a watched
+    process (same title as its parent: a checkpoint save child, which exits when the save is done) is not one: the
+    real run of 2026-11-28 took such a child's normal exit for a lost worker."""
     out = {}
     for pid in run_processes(run_id):
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace").strip()
-        except OSError:
+        name = _watched_name(_title(pid))
+        if name is None:
             continue
-        for pat in WATCHED:
-            m = pat.search(cmd)
-            if m:
-                out[pid] = next(g for g in m.groups() if g)
-                break
+        ppid = _parent(pid)
+        if ppid is not None and _watched_name(_title(ppid)) == name:
+            continue
+        out[pid] = name
     return out
 
 

@@ -521,15 +521,23 @@ def test_watched_processes_are_named_by_their_title_not_their_arguments(tmp_path
     process whose title is the raylet's path is watched."""
     rid = "watch" + os.urandom(4).hex()
     env = {**os.environ, monitor.RUN_ID_ENV: rid}
-    worker = subprocess.Popen(["bash", "-c", "exec -a python sleep 60 --raylet-name=/tmp/ray/s/sockets/raylet"], env=env)
+    worker = subprocess.Popen(["bash", "-c", f"exec -a python {sys.executable} -c 'import time; time.sleep(60)' "
+                               "--raylet-name=/tmp/ray/s/sockets/raylet"], env=env)
     raylet = subprocess.Popen(["bash", "-c", "exec -a /opt/ray/core/src/ray/raylet/raylet sleep 60"], env=env)
     engine = subprocess.Popen(["bash", "-c", "exec -a VLLM::EngineCore sleep 60"], env=env)
+    # a trainer worker that forks (its checkpoint save child: the same title, exits after the save): one process
+    forking = subprocess.Popen(["bash", "-c", f"exec -a ray::WorkerDict {sys.executable} -c "
+                                "'import os, time; os.fork(); time.sleep(60)'"], env=env, start_new_session=True)
     try:
         deadline = time.monotonic() + 10
-        while len(monitor.watched_processes(rid)) < 2 and time.monotonic() < deadline:
+        while len(monitor.run_processes(rid)) < 5 and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert monitor.watched_processes(rid) == {raylet.pid: "raylet", engine.pid: "EngineCore"}
+        assert len(monitor.run_processes(rid)) == 5  # the fork child is there, and carries the run marker
+        assert monitor.watched_processes(rid) == {raylet.pid: "raylet", engine.pid: "EngineCore",
+                                                  forking.pid: "WorkerDict"}
     finally:
+        os.killpg(forking.pid, 9)
+        forking.wait()
         for q in (worker, raylet, engine):
             q.kill()
             q.wait()
