@@ -99,7 +99,7 @@ def test_gpu_preset_without_a_gpu_is_refused_and_the_dry_run_says_so(tmp_path, m
 def test_a_value_of_the_wrong_kind_is_bad_input_from_the_command_line_and_the_preset(tmp_path, monkeypatch, capsys):
     """issue 41: 'data.train_batch_size=abc' crashed the checks ('unexpected ValueError ... a bug', exit 1);
     now exit 2 naming the key and where the value came from, the same from a preset."""
-    from dsv3_rl.launch.presets import PRESET_DIR
+    from dsv3_rl.recipes.presets import PRESET_DIR
 
     _dry(monkeypatch, tmp_path, "1")
     assert main(["--preset", "tiny_cpu", "--quiet", "data.train_batch_size=abc"]) == 2

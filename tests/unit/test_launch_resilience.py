@@ -724,7 +724,7 @@ def test_a_moved_run_directory_resumes_paths_are_not_settings(tmp_path):
     import shutil
 
     from dsv3_rl.launch import run as launch_run
-    from dsv3_rl.launch.overrides import flatten
+    from dsv3_rl.verl_glue.overrides import flatten
 
     def resolve(work, *overrides):
         return launch_run.resolve("tiny_cpu", list(overrides), {**os.environ, "WORK_DIR": str(work)}, validate=False)
