@@ -23,7 +23,7 @@ sys.path.insert(0, str(REPO / "tests" / "unit"))
 
 from grpo_fault_chain import LAUNCHER, _pids, _run_id, _watched  # noqa: E402  (the fault chain's process helpers)
 
-from dsv3_rl.launch import ckpt  # noqa: E402
+from dsv3_rl.launch import ckpt, monitor  # noqa: E402
 
 
 def main() -> int:
@@ -48,8 +48,10 @@ def main() -> int:
     try:
         k = a.kill_at
         wait_for(lambda: (ck / f"global_step_{k}").is_dir() and ckpt.tracker_step(ck) == k - 1, limit=3000)
-        victims = _pids(r"ray::WorkerDict", _run_id(logs))
-        assert victims, "no ray::WorkerDict in the run"
+        workers = _pids(r"^ray::WorkerDict", _run_id(logs))
+        # the worker, not a fork of it (a save child has its title; pids wrap at pid_max, so not the lowest pid)
+        victims = [q for q in workers if monitor.parent_pid(q) not in workers]
+        assert victims, f"no ray::WorkerDict in the run (forks of one: {workers})"
         os.kill(victims[0], signal.SIGKILL)
         killed, t_kill = victims[0], time.monotonic()
         print(f"[kill_during_save] killed ray::WorkerDict pid {killed} while global_step_{k} was being written "

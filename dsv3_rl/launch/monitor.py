@@ -72,6 +72,9 @@ STALL_MIN_S = 600.0
 """the least stall bound, seconds (a checkpoint save or a validation pass may take several steps' time)"""
 STALL_FACTOR = 5.0
 """the stall bound is this many times the longest step measured"""
+VANISH_MIN_AGE_S = 5.0
+"""a watched process counts as vanished only once it was seen alive this long (a short-lived fork or a process
+between fork and exec is not the run's; a missed loss is still caught by Ray's log line or the stall watchdog)"""
 _CLASS = re.compile(r"class_name: (?:\S*\.)?(\w+)")  # Ray's ActorDiedError names the dead actor's class
 _WHO = (re.compile(r"ray::(\w+)"), re.compile(r"(EngineCore\w*)"), re.compile(r"\bpid[=: ]+(\d+)", re.I))
 #: Ray's prefix of a forwarded line names the process that *printed* it (the driver reporting a dead worker)
@@ -155,7 +158,8 @@ def _watched_name(title: str | None) -> str | None:
     return None
 
 
-def _parent(pid: int) -> int | None:
+def parent_pid(pid: int) -> int | None:
+    """The parent of PID (/proc/PID/stat), or None when PID is gone."""
     try:
         return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
     except (OSError, ValueError, IndexError):
@@ -171,11 +175,43 @@ def watched_processes(run_id: str) -> dict[int, str]:
         name = _watched_name(_title(pid))
         if name is None:
             continue
-        ppid = _parent(pid)
+        ppid = parent_pid(pid)
         if ppid is not None and _watched_name(_title(ppid)) == name:
             continue
         out[pid] = name
     return out
+
+
+def _gone(pid: int) -> bool:
+    """PID no longer exists, or is a zombie (killed, not yet reaped by its parent)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return True
+
+
+class Vanished:
+    """The watched processes of one attempt (:func:`watched_processes`, polled); :meth:`poll` returns one that
+    vanished, conservatively: it was seen alive for :data:`VANISH_MIN_AGE_S` and its pid no longer exists (or is a
+    zombie). A process that is still there under another title (it exec'd: a fork running a tool) is dropped, not
+    lost: a false loss costs a restart and, at the same step twice, the run (judged deterministic)."""
+
+    def __init__(self, run_id: str):
+        self.run_id, self.seen = run_id, {}  # pid -> (name, first seen, last seen)
+
+    def poll(self, now: float) -> tuple[int, str] | None:
+        alive = watched_processes(self.run_id)
+        lost = None
+        for pid, (name, first, last) in list(self.seen.items()):
+            if pid in alive:
+                continue
+            del self.seen[pid]
+            if lost is None and last - first >= VANISH_MIN_AGE_S and _gone(pid):
+                lost = (pid, name)
+        for pid, name in alive.items():
+            first = self.seen[pid][1] if pid in self.seen and self.seen[pid][0] == name else now
+            self.seen[pid] = (name, first, now)
+        return lost
 
 
 def vanished_name(name: str, pid: int) -> str:
@@ -334,7 +370,7 @@ def run_watched(argv: list[str], env: dict[str, str], *, log_path: Path, metrics
     pump = threading.Thread(target=_pump, args=(proc.stdout, log_path, lost, t0), daemon=True)
     pump.start()
     step_s = list(step_seconds or [])
-    watched: dict[int, str] = {}
+    watched = Vanished(run_id)
     last_progress, last_size = time.monotonic(), -1
     try:
         while True:
@@ -355,13 +391,11 @@ def run_watched(argv: list[str], env: dict[str, str], *, log_path: Path, metrics
                 last_size, last_progress = size, now
             done = bool(step_at) and max(step_at) >= total_steps  # the end: verl shuts its workers down
             if proc.poll() is None and not lost.get("what") and not done:
-                alive = watched_processes(run_id)
-                gone = [(pid, name) for pid, name in watched.items() if pid not in alive]
-                if gone and proc.poll() is None:
-                    pid, name = gone[0]
+                gone = watched.poll(now)
+                if gone is not None and proc.poll() is None:
+                    pid, name = gone
                     lost.update(what=vanished_name(name, pid), at=now - t0, vanished=True,
                                 line=f"{name} pid {pid} vanished (no log line said so)")
-                watched = {**watched, **alive}
             bound = stall_bound(step_s) if step_at else None
             if bound is not None and not lost.get("what") and now - last_progress > bound:
                 lost.update(what=f"the run, stalled (no new metrics for {bound:.0f}s, its stall limit)",

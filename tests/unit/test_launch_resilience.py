@@ -373,6 +373,7 @@ FAKE_PPO = textwrap.dedent("""
                 (part / "__0_0.distcp").write_bytes(b"x" * 1000)
                 if mode == "vanish":  # kill -9 of the worker; its forked save child lives on, holding its sockets
                     subprocess.Popen(["bash", "-c", "exec -a ray::WorkerDict-save-child sleep 600"])
+                    time.sleep(2.5)  # the worker has lived for the whole run (monitor.VANISH_MIN_AGE_S)
                     worker.kill()
                 time.sleep(600)  # Ray never reports it: no log line, no exit
             if mode == "engine":
@@ -486,6 +487,7 @@ def test_a_worker_killed_during_a_save_is_a_loss_not_a_hang(tmp_path, capsys, mo
     run was silent until run.timeout_s (GPU presets: for ever). The vanished process is the loss: named with its
     pid, the attempt stopped (the orphaned save child with it), the partial save removed, the run restarted."""
     monkeypatch.setattr(monitor, "LOST_GRACE_S", 2.0)
+    monkeypatch.setattr(monitor, "VANISH_MIN_AGE_S", 1.0)  # the fake's worker lives ~4 s, a real one the whole run
     monkeypatch.setattr(train, "START_RETRY_WAIT_S", 0.0)
     launch = _fake_launch(tmp_path, max_restarts=1)
     t0 = time.monotonic()
@@ -539,6 +541,54 @@ def test_watched_processes_are_named_by_their_title_not_their_arguments(tmp_path
         os.killpg(forking.pid, 9)
         forking.wait()
         for q in (worker, raylet, engine):
+            q.kill()
+            q.wait()
+
+
+def test_a_vanished_process_was_seen_long_enough_and_is_gone(tmp_path):
+    """The conservative rule (the real kill-during-save runs of 2026-11-28 restarted on processes that were not
+    lost): a watched process is lost only when it was seen alive for VANISH_MIN_AGE_S and its pid is gone (or a
+    zombie). Not lost: one seen for less (twin: the same kill after the age is a loss), one still alive under
+    another title (it exec'd a tool; twin: the same age killed is a loss), and the fork+exec churn of a watched
+    process (``sleep 0.1`` children of a ray::WorkerDict: between fork and exec they have its title)."""
+    rid = "vanish" + os.urandom(4).hex()
+    env = {**os.environ, monitor.RUN_ID_ENV: rid}
+    flag = tmp_path / "exec-now"
+    execs = subprocess.Popen(["bash", "-c", f"exec -a ray::WorkerDict bash -c 'while [ ! -e {flag} ]; do sleep 0.1; "
+                              "done; exec -a some-tool sleep 60'"], env=env)
+    task = subprocess.Popen(["bash", "-c", "exec -a ray::TaskRunnerV1 sleep 60"], env=env)
+    old = subprocess.Popen(["bash", "-c", "exec -a VLLM::EngineCore sleep 60"], env=env)
+    procs, age = [execs, task, old], monitor.VANISH_MIN_AGE_S
+
+    def until(pred):
+        deadline = time.monotonic() + 10
+        while not pred() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert pred()
+
+    try:
+        until(lambda: {execs.pid, task.pid, old.pid} <= set(monitor.watched_processes(rid)))
+        v = monitor.Vanished(rid)
+        assert v.poll(0.0) is None
+        brief = subprocess.Popen(["bash", "-c", "exec -a VLLM::EngineCore_1 sleep 60"], env=env)
+        procs.append(brief)
+        until(lambda: brief.pid in monitor.watched_processes(rid))
+        assert v.poll(age) is None
+        brief.kill()  # not waited for: a zombie, as a killed worker whose parent has not reaped it yet
+        until(lambda: brief.pid not in monitor.run_processes(rid))
+        assert v.poll(age + 1) is None  # seen for 0 s: not a loss
+        old.kill()
+        until(lambda: old.pid not in monitor.run_processes(rid))
+        assert v.poll(age + 2) == (old.pid, "EngineCore")  # twin: seen for `age`, gone: a loss
+        flag.touch()
+        until(lambda: execs.pid not in monitor.watched_processes(rid))
+        assert execs.poll() is None and v.poll(age + 3) is None  # alive as some-tool: dropped, not lost
+        task.kill()
+        until(lambda: task.pid not in monitor.run_processes(rid))
+        assert v.poll(age + 4) == (task.pid, "TaskRunnerV1")  # twin: the same age, gone
+        assert v.poll(age + 5) is None  # each loss once
+    finally:
+        for q in procs:
             q.kill()
             q.wait()
 
