@@ -3,7 +3,7 @@
 it; its forked save child lives on). Before issue 41 the run was silent until ``run.timeout_s``; now the vanished
 worker is the loss: the attempt is stopped, the partial save set aside, the run restarted and ends PASSED.
 
-    flock /tmp/dsv3-heavy.lock .venv/bin/python scripts/kill_during_save.py --out DIR [--steps 5 --kill-at 3]
+    flock /tmp/dsv3-heavy.lock .venv/bin/python scripts/kill_during_save.py --out DIR [--steps 6 --kill-at 3]
 
 Writes DIR/result.json (exit status, the RESTART line, seconds from the kill to it, the summary line) and DIR/run.log.
 Heavy: a whole GRPO run (run it under the shared lock)."""
@@ -30,7 +30,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--work", type=Path, default=None, help="WORK_DIR (default OUT/work)")
-    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--steps", type=int, default=6,
+                   help="GRPO steps (default 6: the learning check compares the first 3 with the last 3)")
     p.add_argument("--kill-at", type=int, default=3, help="kill when global_step_K appears (tracker K-1)")
     a = p.parse_args()
     out = a.out.absolute()
