@@ -21,7 +21,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "unit"))
 
-from grpo_fault_chain import LAUNCHER, _pids, _run_id, _watched  # noqa: E402  (the fault chain's process helpers)
+from grpo_fault_chain import LAUNCHER, _run_id, _watched  # noqa: E402  (the fault chain's process helpers)
 
 from dsv3_rl.launch import ckpt, monitor  # noqa: E402
 
@@ -49,7 +49,7 @@ def main() -> int:
     try:
         k = a.kill_at
         wait_for(lambda: (ck / f"global_step_{k}").is_dir() and ckpt.tracker_step(ck) == k - 1, limit=3000)
-        workers = _pids(r"^ray::WorkerDict", _run_id(logs))
+        workers = monitor.run_processes_matching(_run_id(logs), r"^ray::WorkerDict")
         # the worker, not a fork of it (a save child has its title; pids wrap at pid_max, so not the lowest pid)
         victims = [q for q in workers if monitor.parent_pid(q) not in workers]
         assert victims, f"no ray::WorkerDict in the run (forks of one: {workers})"
