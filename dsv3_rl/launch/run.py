@@ -20,7 +20,8 @@ from typing import Any
 from dsv3_rl.launch import checks, stages as stages_mod
 from dsv3_rl.launch.verl_config import check_cli_overrides, check_open_dicts, validate_like_main_ppo
 from dsv3_rl.recipes.presets import REPO, Preset, PresetError, load_preset
-from dsv3_rl.verl_glue.compose import VerlConfigError, base_config, compose, hydra_args
+from dsv3_rl.verl_glue.compose import (VerlConfigError, admits_text, base_config, compose, declared_type,
+                                      hydra_args)
 from dsv3_rl.verl_glue.overrides import (Override, deep_merge, flatten, get_dotted as deep_get, parse_overrides,
                                          set_dotted, to_overrides)
 
@@ -313,6 +314,8 @@ def check_value_types(cfg, base, tree: dict, user: list[Override], preset: str) 
             ok = isinstance(v, (int, float)) and not isinstance(v, bool)  # (verl's yaml writes 0 for floats too)
         else:
             continue
+        if not ok and isinstance(v, str) and admits_text(declared_type(base, k)):
+            ok = True  # verl's dataclass takes text too (IcePop's rollout_is_threshold "0.5_5.0"; the yaml says 2.0)
         if not ok:
             src = "the command line" if k in from_user else f"preset {preset}"
             kind = "true/false" if isinstance(w, bool) else "a number"

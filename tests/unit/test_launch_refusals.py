@@ -116,3 +116,22 @@ def test_a_value_of_the_wrong_kind_is_bad_input_from_the_command_line_and_the_pr
     from dsv3_rl.launch import run as launch_run  # twin: a number is accepted (the same check, before the validation)
 
     assert launch_run.resolve("tiny_cpu", ["data.train_batch_size=16"], validate=False).cfg.data.train_batch_size == 16
+
+
+@pytest.mark.slow  # two verl compositions: ~10 s on 2 cores
+def test_a_text_value_verl_declares_as_text_is_accepted(tmp_path):
+    """verl's RolloutCorrectionConfig.rollout_is_threshold is ``str | float`` (IcePop's "0.5_5.0") though the yaml's
+    default is 2.0: the kind comes from verl's dataclass where one declares the key (the first version refused
+    test_rollout_correction's IcePop preset). Twin: the same text for algorithm.gamma (declared float) is refused."""
+    from dsv3_rl.launch import run as launch_run
+    from dsv3_rl.recipes.presets import PRESET_DIR
+    from dsv3_rl.verl_glue.compose import VerlConfigError
+
+    icepop = tmp_path / "icepop.yaml"
+    icepop.write_text(f"extends: {PRESET_DIR / 'tiny_cpu.yaml'}\nverl: {{algorithm: {{rollout_correction: "
+                      "{rollout_is: token, rollout_is_threshold: '0.5_5.0'}}}\n")
+    cfg = launch_run.resolve(str(icepop), [], validate=False).cfg
+    assert cfg.algorithm.rollout_correction.rollout_is_threshold == "0.5_5.0"
+    with pytest.raises(VerlConfigError, match=r"algorithm.gamma='0.5_5.0' \(from the command line\): verl's "
+                                              r"algorithm.gamma is a number"):
+        launch_run.resolve(str(icepop), ["algorithm.gamma='0.5_5.0'"], validate=False)
