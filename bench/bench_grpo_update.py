@@ -113,6 +113,12 @@ def parse_dist(text: str, flag: str) -> tuple[str, tuple[float, ...]]:
     return kind, nums
 
 
+def dist_max(dist: tuple[str, tuple[float, ...]]) -> int:
+    """The longest length DIST can draw (:func:`draw_lengths`)."""
+    kind, p = dist
+    return int(p[0]) if kind == "fixed" else int(p[1]) if kind == "uniform" else int(p[2])
+
+
 def draw_lengths(dist: tuple[str, tuple[float, ...]], count: int, g: torch.Generator) -> list[int]:
     kind, p = dist
     if kind == "fixed":
@@ -532,6 +538,12 @@ def parse_args(argv):
         raise UsageError(f"--lr {args.lr}: must be a finite number >= 0")
     args.prompt_dist = parse_dist(args.prompt_len, "--prompt-len")
     args.resp_dist = parse_dist(args.resp_len, "--resp-len")
+    longest = dist_max(args.prompt_dist) + dist_max(args.resp_dist)
+    if args.max_token_len < longest:  # verl asserts it in its dynamic batching, after the model is built
+        raise UsageError(f"--max-token-len {args.max_token_len}: below the longest sample the lengths allow "
+                         f"(--prompt-len up to {dist_max(args.prompt_dist)} + --resp-len up to "
+                         f"{dist_max(args.resp_dist)} = {longest} tokens); verl's dynamic batching needs every sample "
+                         f"in one micro-batch: use --max-token-len >= {longest}")
     from dsv3_rl.layout import Layout
 
     try:

@@ -48,9 +48,11 @@ def _run_parser() -> argparse.ArgumentParser:
     p.add_argument("--join-timeout", type=float, default=float(os.environ.get("RAY_JOIN_TIMEOUT", 1800)),
                    help="multi-node: seconds for all nodes to join Ray (default 1800, $RAY_JOIN_TIMEOUT)")
     p.add_argument("--quiet", action="store_true", help="summary only, not the full command")
-    p.add_argument("--force-stage", action="append", default=[], metavar="STAGE",
+    from dsv3_rl.launch.stages import STAGE_NAMES
+
+    p.add_argument("--force-stage", action="append", default=[], metavar="STAGE", choices=STAGE_NAMES,
                    help="rerun this stage even if its output verifies, passing the tool its --force "
-                        "(repeatable; stages: weights, fp8_cast, hf_config, convert, data)")
+                        f"(repeatable; stages: {', '.join(STAGE_NAMES)})")
     return p
 
 

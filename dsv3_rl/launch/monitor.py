@@ -14,6 +14,13 @@ console, a real wall-clock limit, and a teardown that leaves no Ray or vLLM proc
   run that idles after it (vLLM's ``EngineDeadError`` leaves the trainer waiting for ever) is stopped after
   ``LOST_GRACE_S`` instead of at ``run.timeout_s`` (GPU presets have none). The launcher decides to restart
   (:mod:`dsv3_rl.launch.train`).
+* A process of the run that vanishes (:data:`WATCHED`: a trainer worker, a vLLM engine, the raylet or GCS) is a
+  lost process even when nothing says so in the log: a worker killed during a checkpoint save leaves its forked save
+  child holding its sockets and Ray never reports the death. The RESTART line names the process that vanished.
+* A stall watchdog: once a step is logged, no new metrics for :func:`stall_bound` seconds (a multiple of the
+  longest step measured, at least :data:`STALL_MIN_S`) ends the attempt as lost; the bound is in the progress line.
+* A run that fails while it starts Ray or vLLM (:data:`START_FAILED`: "The current node timed out during startup",
+  ...) is a lost start: the launcher retries it with a fresh cluster (``RunResult.reason == "lost"``).
 * Peak memory is the largest sum of the proportional set size (PSS) over the run's processes, sampled
   every :data:`PSS_EVERY_S`: shared pages (torch, vLLM libraries) count once, not once per process.
 """
@@ -51,6 +58,23 @@ LOST_PATTERNS = (
     (re.compile(r"GCS has been down|Failed to connect to GCS|raylet (?:has )?died|node .* has been marked dead", re.I),
      "the node's Ray (GCS/raylet)"),
 )
+#: lines of a run that failed while Ray or vLLM started (a loaded machine right after a teardown): a lost start
+START_FAILED = re.compile(r"The current node timed out during startup|Failed to (?:start|connect to) the GCS|"
+                          r"ray\.init\(\) .*timed out|Timed out (?:waiting|while waiting) for .*(?:raylet|GCS|node)|"
+                          r"Failed to register worker .* to Raylet|ConnectionError: .*(?:raylet|GCS)", re.I)
+#: processes of a run whose disappearance is a loss (patterns on the process's argv[0], which Ray and vLLM set to
+#: the process title; group: its name). Never on the whole command line: every Ray worker, the idle ones that come
+#: and go included, has ``--raylet-name=.../sockets/raylet`` among its arguments (a first version took them for
+#: the raylet: measured on the real run, 2026-11-28)
+WATCHED = (re.compile(r"^ray::(WorkerDict|TaskRunner\w*)"), re.compile(r"^(EngineCore\w*)|^VLLM::(EngineCore\w*)"),
+           re.compile(r"/(raylet)$"), re.compile(r"/(gcs_server)$"))
+STALL_MIN_S = 600.0
+"""the least stall bound, seconds (a checkpoint save or a validation pass may take several steps' time)"""
+STALL_FACTOR = 5.0
+"""the stall bound is this many times the longest step measured"""
+VANISH_MIN_AGE_S = 5.0
+"""a watched process counts as vanished only once it was seen alive this long (a short-lived fork or a process
+between fork and exec is not the run's; a missed loss is still caught by Ray's log line or the stall watchdog)"""
 _CLASS = re.compile(r"class_name: (?:\S*\.)?(\w+)")  # Ray's ActorDiedError names the dead actor's class
 _WHO = (re.compile(r"ray::(\w+)"), re.compile(r"(EngineCore\w*)"), re.compile(r"\bpid[=: ]+(\d+)", re.I))
 #: Ray's prefix of a forwarded line names the process that *printed* it (the driver reporting a dead worker)
@@ -109,6 +133,94 @@ class LostProcess:
         if not extra:
             return self.what
         return f"{self.what[:-1]}, {extra})" if self.what.endswith(")") else f"{self.what} ({extra})"
+
+
+def stall_bound(step_seconds: list[float]) -> float | None:
+    """Seconds without new metrics after which an attempt is stalled: STALL_FACTOR x the longest step measured, at
+    least STALL_MIN_S; None before any step was measured (the start-up is bounded by ``run.timeout_s`` alone)."""
+    if not step_seconds:
+        return None
+    return max(STALL_MIN_S, STALL_FACTOR * max(step_seconds))
+
+
+def _title(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace").strip()
+    except OSError:
+        return None
+
+
+def _watched_name(title: str | None) -> str | None:
+    for pat in WATCHED:
+        m = pat.search(title or "")
+        if m:
+            return next(g for g in m.groups() if g)
+    return None
+
+
+def parent_pid(pid: int) -> int | None:
+    """The parent of PID (/proc/PID/stat), or None when PID is gone."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def watched_processes(run_id: str) -> dict[int, str]:
+    """``{pid: name}`` of the run's processes whose loss ends an attempt (:data:`WATCHED`). A fork of a watched
+    process (same title as its parent: a checkpoint save child, which exits when the save is done) is not one: the
+    real run of 2026-11-28 took such a child's normal exit for a lost worker."""
+    out = {}
+    for pid in run_processes(run_id):
+        name = _watched_name(_title(pid))
+        if name is None:
+            continue
+        ppid = parent_pid(pid)
+        if ppid is not None and _watched_name(_title(ppid)) == name:
+            continue
+        out[pid] = name
+    return out
+
+
+def _gone(pid: int) -> bool:
+    """PID no longer exists, or is a zombie (killed, not yet reaped by its parent)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return True
+
+
+class Vanished:
+    """The watched processes of one attempt (:func:`watched_processes`, polled); :meth:`poll` returns one that
+    vanished, conservatively: it was seen alive for :data:`VANISH_MIN_AGE_S` and its pid no longer exists (or is a
+    zombie). A process that is still there under another title (it exec'd: a fork running a tool) is dropped, not
+    lost: a false loss costs a restart and, at the same step twice, the run (judged deterministic)."""
+
+    def __init__(self, run_id: str):
+        self.run_id, self.seen = run_id, {}  # pid -> (name, first seen, last seen)
+
+    def poll(self, now: float) -> tuple[int, str] | None:
+        alive = watched_processes(self.run_id)
+        lost = None
+        for pid, (name, first, last) in list(self.seen.items()):
+            if pid in alive:
+                continue
+            del self.seen[pid]
+            if lost is None and last - first >= VANISH_MIN_AGE_S and _gone(pid):
+                lost = (pid, name)
+        for pid, name in alive.items():
+            first = self.seen[pid][1] if pid in self.seen and self.seen[pid][0] == name else now
+            self.seen[pid] = (name, first, now)
+        return lost
+
+
+def vanished_name(name: str, pid: int) -> str:
+    """The lost-process words for a watched process that vanished."""
+    if name.startswith("EngineCore"):
+        return f"the vLLM engine ({name}, pid {pid})"
+    if name in ("raylet", "gcs_server"):
+        return f"the node's Ray ({name}, pid {pid})"
+    return f"a Ray worker ({name}, pid {pid})"
 
 
 def lost_process(line: str) -> str | None:
@@ -224,12 +336,15 @@ def _pump(stream, log_path: Path, lost: dict | None = None, t0: float = 0.0) -> 
             if tracker.feed(line):
                 lost.update(at=time.monotonic() - t0, line=line.strip()[:300])
             if tracker.what is not None:
-                lost["what"] = str(tracker)
+                if not lost.get("vanished"):
+                    lost["what"] = str(tracker)
+            elif "start" not in lost and START_FAILED.search(line):
+                lost["start"] = line.strip()[:200]
 
 
 def run_watched(argv: list[str], env: dict[str, str], *, log_path: Path, metrics_path: Path, total_steps: int,
                 timeout_s: float | None, say=print, run_id: str | None = None, on_poll=None,
-                lost_grace_s: float | None = None) -> RunResult:
+                lost_grace_s: float | None = None, step_seconds: list[float] | None = None) -> RunResult:
     """Run ARGV (main_ppo) to the end, the limit, a lost process or an interrupt; see the module doc.
     ON_POLL() is called about once a second while it runs (the launcher writes checkpoint manifests there)."""
     from dsv3_rl.grpo.progress import MetricsFollower, progress_line
@@ -254,14 +369,39 @@ def run_watched(argv: list[str], env: dict[str, str], *, log_path: Path, metrics
     step_at: dict[int, float] = {}
     pump = threading.Thread(target=_pump, args=(proc.stdout, log_path, lost, t0), daemon=True)
     pump.start()
+    step_s = list(step_seconds or [])
+    watched = Vanished(run_id)
+    last_progress, last_size = time.monotonic(), -1
     try:
         while True:
             for rec in follower.poll():
                 step_at[int(rec.get("step", 0))] = time.monotonic() - t0
-                say(progress_line(rec, total_steps))
+                if isinstance(rec.get("timing_s/step"), (int, float)) and rec["timing_s/step"] > 0:
+                    step_s.append(float(rec["timing_s/step"]))
+                b = stall_bound(step_s)
+                say(progress_line(rec, total_steps) + (f"  (stall limit {b:.0f}s)" if b else ""))
             if on_poll is not None:
                 on_poll()
             now = time.monotonic()
+            try:
+                size = metrics_path.stat().st_size
+            except OSError:
+                size = -1
+            if size != last_size:
+                last_size, last_progress = size, now
+            done = bool(step_at) and max(step_at) >= total_steps  # the end: verl shuts its workers down
+            if proc.poll() is None and not lost.get("what") and not done:
+                gone = watched.poll(now)
+                if gone is not None and proc.poll() is None:
+                    pid, name = gone
+                    lost.update(what=vanished_name(name, pid), at=now - t0, vanished=True,
+                                line=f"{name} pid {pid} vanished (no log line said so)")
+            bound = stall_bound(step_s) if step_at else None
+            if bound is not None and not lost.get("what") and now - last_progress > bound:
+                lost.update(what=f"the run, stalled (no new metrics for {bound:.0f}s, its stall limit)",
+                            at=now - t0, stalled=True)
+                reason = "lost"
+                break
             if now - last_sample >= PSS_EVERY_S:
                 pss = pss_bytes([proc.pid, *run_processes(run_id)])
                 if pss > peak:
@@ -291,6 +431,9 @@ def run_watched(argv: list[str], env: dict[str, str], *, log_path: Path, metrics
         step_at[int(rec.get("step", 0))] = time.monotonic() - t0
         say(progress_line(rec, total_steps))
     if lost.get("what") and reason == "" and proc.returncode != 0:
+        reason = "lost"
+    if not lost.get("what") and lost.get("start") and reason == "" and proc.returncode != 0 and not step_at:
+        lost["what"] = f"a failed start of Ray or vLLM ({lost['start'][:120]})"  # a lost start: retried
         reason = "lost"
     if reason == "timeout":
         code = 124

@@ -20,7 +20,8 @@ from typing import Any
 from dsv3_rl.launch import checks, stages as stages_mod
 from dsv3_rl.launch.verl_config import check_cli_overrides, check_open_dicts, validate_like_main_ppo
 from dsv3_rl.recipes.presets import REPO, Preset, PresetError, load_preset
-from dsv3_rl.verl_glue.compose import VerlConfigError, base_config, compose, hydra_args
+from dsv3_rl.verl_glue.compose import (VerlConfigError, admits_text, base_config, compose, declared_type,
+                                      hydra_args)
 from dsv3_rl.verl_glue.overrides import (Override, deep_merge, flatten, get_dotted as deep_get, parse_overrides,
                                          set_dotted, to_overrides)
 
@@ -188,6 +189,12 @@ def derived_tree(preset: Preset, model_cfg: dict) -> dict:
     return deep_merge(t, algorithms.verl_tree(algorithms.choice_of(preset), preset.hardware, resp))
 
 
+#: the verl keys :func:`path_tree` sets: where the run's inputs and outputs are, not what the run is (a moved or
+#: copied run directory is the same run: dsv3_rl.launch.workdir.identity leaves them out)
+PATH_KEYS = ("actor_rollout_ref.model.path", "data.train_files", "data.val_files", "trainer.default_local_dir",
+             "reward.custom_reward_function.path", f"{M}.dist_checkpointing_path", f"{REF_M}.dist_checkpointing_path")
+
+
 def path_tree(preset: Preset, paths: Paths) -> dict:
     t: dict = {}
     set_dotted(t, "actor_rollout_ref.model.path", str(paths.hf))
@@ -284,6 +291,39 @@ def _apply_user(tree: dict, user: list[Override]) -> list[str]:
     return rest
 
 
+def check_value_types(cfg, base, tree: dict, user: list[Override], preset: str) -> None:
+    """A value of the wrong kind for verl's key (``data.train_batch_size=abc``: verl's default is a number) is bad
+    input, from the command line and from the preset alike: VerlConfigError (one line, exit 2) naming the key and
+    where the value came from; the checks would otherwise crash on it."""
+    from omegaconf import OmegaConf
+
+    want = dict(flatten(OmegaConf.to_container(base, resolve=False)))
+    got = dict(flatten(OmegaConf.to_container(cfg, resolve=False)))
+    from_user = {o.key for o in user}
+    from_preset = {k for k, _ in flatten(tree)}
+    errs = []
+    for k in sorted(from_user | from_preset):
+        if k not in want or k not in got or want[k] is None or got[k] is None:
+            continue
+        w, v = want[k], got[k]
+        if isinstance(v, str) and v.startswith("${"):
+            continue  # an interpolation: resolved by verl
+        if isinstance(w, bool):
+            ok = isinstance(v, bool)
+        elif isinstance(w, (int, float)):
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool)  # (verl's yaml writes 0 for floats too)
+        else:
+            continue
+        if not ok and isinstance(v, str) and admits_text(declared_type(base, k)):
+            ok = True  # verl's dataclass takes text too (IcePop's rollout_is_threshold "0.5_5.0"; the yaml says 2.0)
+        if not ok:
+            src = "the command line" if k in from_user else f"preset {preset}"
+            kind = "true/false" if isinstance(w, bool) else "a number"
+            errs.append(f"{k}={v!r} (from {src}): verl's {k} is {kind} (its default: {w!r})")
+    if errs:
+        raise VerlConfigError("; ".join(errs[:3]) + (f"; +{len(errs) - 3} more" if len(errs) > 3 else ""))
+
+
 def resolve(preset_name: str, user_overrides: list[str] | None = None, environ: dict[str, str] | None = None,
             *, validate: bool = True) -> Launch:
     """Everything about a run, checked. Raises PresetError / VerlConfigError for unusable input; findings
@@ -332,6 +372,7 @@ def resolve(preset_name: str, user_overrides: list[str] | None = None, environ: 
 
     # compose + check ------------------------------------------------------------------------------------
     cfg = compose(preset.config_name, overrides + rest)
+    check_value_types(cfg, base, tree, user, preset.name)
     launch.cfg = cfg
     from omegaconf import OmegaConf
 

@@ -159,6 +159,11 @@ def is_fp8(model_dir: Path, preset_cfg: dict) -> bool:
     return q.get("quant_method") == "fp8"
 
 
+#: every stage :func:`build_stages` may build, in order (``dsv3-launch run --force-stage`` checks its argument
+#: against these while it parses the command line, before the minute of validation)
+STAGE_NAMES = ("weights", "download", "fp8_cast", "hf_config", "convert", "data")
+
+
 def build_stages(preset, paths, *, max_prompt_length: int | None, model_cfg: dict) -> list[Stage]:
     """The stages for PRESET with PATHS (see :mod:`dsv3_rl.launch.run`)."""
     from dsv3_rl.models import presets as model_presets

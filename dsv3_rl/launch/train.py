@@ -25,7 +25,6 @@ import sys
 from pathlib import Path
 
 import re
-import shutil
 import threading
 import time
 import uuid
@@ -81,11 +80,18 @@ class _Manifests:
     """Writes ``dsv3-manifest.json`` into each checkpoint once verl's tracker names it (polled once a second by the
     watched run; the digests are computed in a thread, so progress lines and limits are not held up)."""
 
-    def __init__(self, ckpt_dir: Path, mode: str):
+    def __init__(self, ckpt_dir: Path, mode: str, attempt: str = ""):
         self.ckpt_dir, self.mode, self.done = Path(ckpt_dir), mode, set()
         self.threads: list[threading.Thread] = []
+        self.attempt = attempt  # the saves this attempt begins are recorded as this run's own (ckpt.record_saves)
+        self.dirs = ckpt.step_inodes(self.ckpt_dir)  # before the attempt starts
 
     def __call__(self) -> None:
+        if self.attempt:
+            try:
+                self.dirs = ckpt.record_saves(self.ckpt_dir, self.dirs, self.attempt)
+            except OSError as e:  # the ledger only decides between deleting and moving aside a partial save
+                say(f"could not record the saves of this attempt in {self.ckpt_dir / ckpt.SAVES}: {e}")
         n = ckpt.tracker_step(self.ckpt_dir)
         if self.mode == "off" or n is None or n in self.done:
             return
@@ -110,7 +116,11 @@ class _Manifests:
 
 
 def _cause_key(lost: str, step: int) -> tuple[str, int]:
-    return re.sub(r"pid \d+", "pid", lost), step
+    return re.sub(r"\d+s\b", "Ns", re.sub(r"pid \d+", "pid", lost)), step
+
+
+START_RETRY_WAIT_S = 10.0
+"""seconds a retry after a failed start waits once the old cluster's processes are gone (a loaded machine)"""
 
 
 def _time_lost(fail: dict, nxt_start: float, nxt: monitor.RunResult, step_s: dict[int, float]) -> float:
@@ -191,9 +201,10 @@ def _run_attempts(launch, env: dict[str, str], lock) -> int:
         if pending is not None and resume is not None and resume not in _logged(metrics):
             # the lost process struck between verl's save of step K and its metrics line: redo K from the checkpoint
             # before, so that the run's record (and the learning gate) has every step (at most save_freq steps)
+            aside = ckpt.move_aside(paths.ckpt / f"global_step_{resume}", "unlogged")
             say(f"step {resume} was checkpointed but its metrics were never logged (the run was lost in between): "
-                f"redoing it from the checkpoint before, so that every step is in the run's record")
-            shutil.rmtree(paths.ckpt / f"global_step_{resume}", ignore_errors=True)
+                f"redoing it from the checkpoint before, so that every step is in the run's record (the checkpoint "
+                f"is kept, moved aside to {aside.name})")
             resume = ckpt.prepare_resume(paths.ckpt, keep=None, mode=verify_mode, say=say)
         if resume is None or not (paths.ckpt / workdir.IDENTITY).is_file():  # a fresh run, or one from before
             workdir.record_identity(launch)
@@ -213,13 +224,16 @@ def _run_attempts(launch, env: dict[str, str], lock) -> int:
         run_id = uuid.uuid4().hex
         lock.update(run_id=run_id)
         t_att = time.monotonic()
-        manifests = _Manifests(paths.ckpt, verify_mode)
+        manifests = _Manifests(paths.ckpt, verify_mode, attempt=run_id)
         if resume is not None and resume >= total and set(range(1, total + 1)) <= _logged(metrics):
             say(f"every step up to {total} is trained, checkpointed and logged: main_ppo is not started")
             res = monitor.RunResult(code=0, seconds=0.0, peak_pss_bytes=0)
         else:
+            measured = [float(r["timing_s/step"]) for r in _read_quiet(metrics, every_attempt=True)
+                        if isinstance(r.get("timing_s/step"), (int, float)) and r["timing_s/step"] > 0]
             res = monitor.run_watched(launch.argv, env, log_path=log, metrics_path=metrics, total_steps=total,
-                                      timeout_s=timeout, say=print, run_id=run_id, on_poll=manifests)
+                                      timeout_s=timeout, say=print, run_id=run_id, on_poll=manifests,
+                                      step_seconds=measured)
         manifests.finish()
         lock.update(run_id=None)
         this_steps |= {k for k in res.step_at_s if k > (resume or 0)}  # a resumed attempt logs step K's validation
@@ -236,11 +250,13 @@ def _run_attempts(launch, env: dict[str, str], lock) -> int:
             print(startup, flush=True)
         if res.reason == "lost":
             last = max([k for k in res.step_at_s if k > 0], default=resume or 0)
-            cause = f"{res.lost} lost during step {last + 1}"
+            start_failed = res.lost.startswith("a failed start")
+            cause = f"{res.lost} {'before' if start_failed else 'lost during'} step {last + 1}"
             entry = {"cause": cause, "step": last + 1, "last_step": last, "at_s": round(res.lost_at_s or 0, 1),
                      "t_last": t_att + (res.step_at_s.get(last) or 0.0),
                      "trained": max(last, ckpt.tracker_step(paths.ckpt) or 0)}  # a step saved but not logged too
-            again = any(_cause_key(r["cause"], r["step"]) == _cause_key(cause, last + 1) for r in restarts)
+            again = not start_failed and any(_cause_key(r["cause"], r["step"]) == _cause_key(cause, last + 1)
+                                             for r in restarts)  # a start fails by the machine's state: retried
             if again:
                 res.reason, why = "deterministic", "the same loss at the same step as before: not restarting"
             elif len(restarts) >= max_restarts:
@@ -250,6 +266,8 @@ def _run_attempts(launch, env: dict[str, str], lock) -> int:
                 pending = entry
                 say(f"RESTART {len(restarts)}/{max_restarts}: {cause}; the run was torn down, starting it again "
                     f"from its last complete checkpoint")
+                if start_failed:
+                    _wait_cluster_gone(res.run_id)
                 continue
             lines = log.read_text(errors="replace").splitlines()[-15:]
             print("\n".join(lines), flush=True)
@@ -267,6 +285,8 @@ def _run_attempts(launch, env: dict[str, str], lock) -> int:
         why = f"stopped at its limit of {timeout:.0f}s (run.timeout_s)" if res.reason == "timeout" else f"failed (exit {res.code})"
         say(f"main_ppo {why}; last lines of {log}:")
         print("\n".join(lines), flush=True)
+        errs = [ln.strip() for ln in lines if re.search(r"\b\w*(?:Error|Exception)\b", ln)]
+        gave_up = f"main_ppo {why}" + (f": {errs[-1][:160]}" if errs else "")  # the cause, in the summary line
         if "No space left on device" in "\n".join(lines) or _disk_full(paths.ckpt):
             say(f"the disk of {paths.ckpt} is full (no space left on device): free space and run the same command "
                 f"again; the incomplete checkpoint is removed then, the last complete one is used")
@@ -298,6 +318,18 @@ def _run_attempts(launch, env: dict[str, str], lock) -> int:
     return 0 if ok else 1
 
 
+def _wait_cluster_gone(run_id: str, limit_s: float = 60.0) -> None:
+    """Before a retry after a failed start: wait for every process of the failed attempt to be gone (its Ray ports
+    and sockets with them), then START_RETRY_WAIT_S more, so that the fresh cluster does not start into the old."""
+    t0 = time.monotonic()
+    while monitor.run_processes(run_id) and time.monotonic() - t0 < limit_s:
+        time.sleep(1.0)
+    left = len(monitor.run_processes(run_id))
+    say(f"retrying the start with a fresh Ray cluster in {START_RETRY_WAIT_S:.0f}s (the failed attempt's processes: "
+        f"{'all gone' if not left else f'{left} still there after {limit_s:.0f}s'})")
+    time.sleep(START_RETRY_WAIT_S)
+
+
 def _logged(metrics: Path) -> set[int]:
     """The training steps whose metrics are in METRICS or an earlier attempt's file."""
     from dsv3_rl.grpo import checks as checks_mod
@@ -317,11 +349,11 @@ def _disk_full(path: Path) -> bool:
         return False
 
 
-def _read_quiet(metrics: Path) -> list[dict]:
+def _read_quiet(metrics: Path, every_attempt: bool = False) -> list[dict]:
     from dsv3_rl.grpo import checks as checks_mod
 
     try:
-        return checks_mod.read_metrics(metrics)
+        return checks_mod.read_run_metrics(metrics) if every_attempt else checks_mod.read_metrics(metrics)
     except (checks_mod.CheckError, KeyError, ValueError):
         return []
 

@@ -8,7 +8,7 @@
 * :func:`identity` / :func:`identity_mismatch`: ``CKPT_DIR/dsv3-run.json`` records the preset and the verl overrides
   of the run that wrote the checkpoints; another preset or other overrides in that directory are refused
   (naming the differing keys), except the step budget (``trainer.total_training_steps``, ``total_epochs``), which a
-  rerun may raise to continue the run.
+  rerun may raise to continue the run, and the paths (a moved or copied run directory resumes).
 """
 
 from __future__ import annotations
@@ -90,9 +90,16 @@ class RunLock:
         self.release()
 
 
+def _defining(ovs: list[str]) -> list[str]:
+    """OVS without the step budget (:data:`CONTINUABLE`) and the paths (``run.PATH_KEYS``: a moved run is the same)."""
+    from dsv3_rl.launch.run import PATH_KEYS
+
+    return [o for o in ovs if o.split("=", 1)[0].lstrip("+~") not in (*CONTINUABLE, *PATH_KEYS)]
+
+
 def identity(launch) -> dict:
-    """The preset and the verl overrides that define the run (the step budget excluded)."""
-    ovs = [o for o in [*launch.overrides, *launch.user] if o.split("=", 1)[0].lstrip("+~") not in CONTINUABLE]
+    """The preset and the verl overrides that define the run (the step budget and the paths excluded)."""
+    ovs = _defining([*launch.overrides, *launch.user])
     return {"preset": launch.preset.name, "preset_file": str(launch.preset.path), "overrides": ovs}
 
 
@@ -117,7 +124,7 @@ def identity_mismatch(launch) -> str | None:
     if old.get("preset") != new["preset"]:
         return (f"{where} holds a run of preset {old.get('preset')!r}, not {new['preset']!r}: use another WORK_DIR "
                 f"(or CKPT_DIR and LOG_DIR), or remove that run")
-    a, b = dict(_kv(old.get("overrides") or [])), dict(_kv(new["overrides"]))
+    a, b = dict(_kv(_defining(old.get("overrides") or []))), dict(_kv(new["overrides"]))  # an older record: paths in
     diff = [f"{k}: {a.get(k, '(unset)')} -> {b.get(k, '(unset)')}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
     if diff:
         return (f"{where} holds a run of preset {new['preset']!r} with other settings ({'; '.join(diff[:4])}"

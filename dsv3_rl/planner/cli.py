@@ -196,8 +196,10 @@ def cmd_phases(a) -> int:
         print(f"json: {a.json}" + (" (runs added)" if prev else ""))
     ok = [p for _, p in preds if p.feasible]
     print(f"summary: {len(ok)} of {len(preds)} layouts predicted to fit; "
-          + "; ".join(f"{t} {p.layout.short()} {p.peak_memory / 2**30:.1f} GiB {p.step_seconds:.2f} s" for t, p in preds))
-    return 0
+          + "; ".join(f"{t} {p.layout.short()} " + (f"{p.peak_memory / 2**30:.1f} GiB {p.step_seconds:.2f} s"
+                                                   if p.feasible else "rejected") for t, p in preds))
+    # as `check`: a layout the user asked for that is rejected is exit 1 (the automatic picks add one that OOMs)
+    return 1 if a.layout and len(ok) < len(preds) else 0
 
 
 def cmd_validate(a) -> int:

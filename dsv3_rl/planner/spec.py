@@ -58,6 +58,9 @@ class Cluster:
             raise ValueError(f"cluster.gpu={self.gpu!r}; known GPU types: {sorted(GPUS)}")
         if self.gpus_per_node < 1 or self.nodes < 1:
             raise ValueError(f"cluster needs gpus_per_node >= 1 and nodes >= 1 (got {self.gpus_per_node}, {self.nodes})")
+        m = self.gpu_memory_gib
+        if m is not None and (isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 < m < float("inf")):
+            raise ValueError(f"cluster.gpu_memory_gib (--gpu-memory-gib) must be a number of GiB > 0 (got {m!r})")
 
     @property
     def world(self) -> int:
@@ -101,6 +104,11 @@ class GRPOShape:
         for k in ("prompts_per_step", "n_samples", "max_prompt_len", "max_response_len", "micro_batch_size", "ppo_epochs"):
             if getattr(self, k) < 1:
                 raise ValueError(f"grpo.{k} must be >= 1 (got {getattr(self, k)})")
+        if self.max_token_len_per_gpu is not None and self.max_token_len_per_gpu < 1:
+            raise ValueError(f"grpo.max_token_len_per_gpu must be >= 1 (got {self.max_token_len_per_gpu})")
+        if self.ppo_mini_batch_size is not None and not 1 <= self.ppo_mini_batch_size <= self.prompts_per_step:
+            raise ValueError(f"grpo.ppo_mini_batch_size must be in [1, prompts_per_step={self.prompts_per_step}] "
+                             f"(got {self.ppo_mini_batch_size})")
         if not 0 < self.mean_length_fraction <= 1:
             raise ValueError(f"grpo.mean_length_fraction must be in (0, 1] (got {self.mean_length_fraction})")
 

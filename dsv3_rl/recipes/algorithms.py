@@ -239,6 +239,16 @@ def _sel(cfg, key, default=None):
     return default if v is None else v
 
 
+#: ``algorithm.filter_groups.metric`` values verl 0.9.1's ReplayBuffer can read for the launcher's reward: ``reward``
+#: (the summed token rewards) or a numeric key of ``reward_extra_info``: the reward function's (``score``, ``acc``;
+#: dsv3_rl.reward.math_reward's ``pred`` is text) and the DAPO reward manager's overlong ones when that is enabled
+DAPO_METRICS = ("reward", "score", "acc")
+DAPO_OVERLONG_METRICS = ("overlong_reward", "overlong")
+#: advantage estimators whose baseline is the other samples of the prompt's group: with ``rollout.n`` 1 every
+#: advantage is 0 (verl trains on nothing and says nothing)
+GROUP_ESTIMATORS = ("grpo", "grpo_passk", "grpo_vectorized", "rloo", "rloo_vectorized", "opo", "gpg")
+
+
 def check_config(cfg, choice: Choice) -> list[str]:
     """What the composed config must still say for CHOICE after the preset's ``verl:`` keys and the command line
     (each a one-line error naming the key): a planted-fault twin for each lives in
@@ -250,6 +260,12 @@ def check_config(cfg, choice: Choice) -> list[str]:
         if not _sel(cfg, "algorithm.filter_groups.enable", False) or not _sel(cfg, "algorithm.filter_groups.metric"):
             errs.append("algorithm=dapo but algorithm.filter_groups.enable is false (or its metric unset): "
                         "zero-variance groups (all rewards equal, advantage 0) would be trained on; DAPO evicts them")
+        metric = _sel(cfg, "algorithm.filter_groups.metric")
+        ob_on = bool((_sel(cfg, "reward.reward_kwargs.overlong_buffer_cfg") or {}).get("enable"))
+        known = DAPO_METRICS + (DAPO_OVERLONG_METRICS if ob_on else ())
+        if metric and str(metric) not in known:
+            errs.append(f"algorithm.filter_groups.metric={metric!r} is not a metric the reward gives (one of: "
+                        f"{', '.join(known)}); verl would raise at step 1, after the start-up")
         if low is None or high is None or not float(high) > float(low):
             errs.append(f"algorithm=dapo needs clip-higher: actor.clip_ratio_high ({high}) > clip_ratio_low ({low})")
         if str(_sel(cfg, "reward.reward_manager.name")) != "dapo":
@@ -270,6 +286,10 @@ def check_config(cfg, choice: Choice) -> list[str]:
         errs.append(f"algorithm=gspo with actor.clip_ratio_low/high = {low}/{high}: GSPO clips the length-normalised "
                     f"sequence ratio, whose range is ~1e-3 (the paper: 3e-4/4e-4); token-level values "
                     f"(> {GSPO_CLIP_MAX}) leave it unclipped (a base preset's clip-higher?)")
+    est, n = str(_sel(cfg, "algorithm.adv_estimator", "")), _sel(cfg, "actor_rollout_ref.rollout.n", 1)
+    if est in GROUP_ESTIMATORS and int(n) < 2:
+        errs.append(f"actor_rollout_ref.rollout.n={n} with algorithm.adv_estimator={est}: the advantage is a sample's "
+                    f"reward against its group's, so every advantage would be 0; set rollout.n >= 2")
     if choice.algorithm != "dapo" and _sel(cfg, "algorithm.filter_groups.enable", False) and choice.mode.off_policy:
         errs.append(f"algorithm.filter_groups.enable=true with trainer_mode={choice.trainer_mode}: the experimental "
                     "off-policy trainers do not filter groups (verl 0.9.1)")

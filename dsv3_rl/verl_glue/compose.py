@@ -8,6 +8,7 @@ and its workers would) and the planner (its candidate's overrides) compose throu
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.util
 from pathlib import Path
 
@@ -81,6 +82,47 @@ def compose(config_name: str, overrides: list[str]):
 @functools.lru_cache(maxsize=4)
 def base_config(config_name: str = "ppo_megatron_trainer"):
     return compose(config_name, [])
+
+
+def declared_type(cfg, key: str):
+    """The type verl's config dataclass declares for KEY of the composed CFG (the class of the nearest node above KEY
+    with a ``_target_``, then its fields' types down to KEY; Optional unwrapped), or None where no dataclass says
+    (a plain yaml node, a class that cannot be imported). ``algorithm.rollout_correction.rollout_is_threshold``:
+    ``str | float`` (IcePop's "0.5_5.0"), though the yaml's default is 2.0."""
+    import dataclasses
+    import types
+    import typing
+
+    parts = key.split(".")
+    for i in range(len(parts) - 1, -1, -1):
+        node = node_at(cfg, ".".join(parts[:i])) if i else cfg
+        target = node.get("_target_") if hasattr(node, "get") else None
+        if not isinstance(target, str):
+            continue
+        module, _, name = target.rpartition(".")
+        try:
+            t = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError):
+            return None
+        for field in parts[i:]:
+            if not dataclasses.is_dataclass(t):
+                return None
+            try:
+                t = typing.get_type_hints(t).get(field)
+            except Exception:  # noqa: BLE001  (an annotation verl's module cannot resolve)
+                return None
+            args = [a for a in typing.get_args(t) if a is not type(None)]
+            if typing.get_origin(t) in (typing.Union, types.UnionType) and len(args) == 1:
+                t = args[0]
+        return t
+    return None
+
+
+def admits_text(t) -> bool:
+    """Whether a value of declared type T (:func:`declared_type`) may be a string."""
+    import typing
+
+    return t is str or t is typing.Any or str in typing.get_args(t)
 
 
 def unknown_key_message(cfg, key: str, where: str) -> str:

@@ -155,6 +155,7 @@ def test_token_count_fault_is_caught():
     (["--resp-len", "gauss:3"], "error: --resp-len 'gauss:3': expected fixed:N, uniform:LO:HI"),
     (["--layout", "tp=2,ep=2"], "error: --layout tp=2,ep=2: 1 ranks are not divisible"),
     (["--bogus"], "error: unrecognized arguments: --bogus"),
+    (["--max-token-len", "1"], "error: --max-token-len 1: below the longest sample the lengths allow"),  # issue 41
 ])
 def test_bad_flags_one_line_exit_2(tmp_path, args, message):
     r = subprocess.run([sys.executable, str(BENCH), "--model", "tiny", *args], capture_output=True, text=True,
@@ -297,3 +298,19 @@ def test_profile_counts_each_kernel_once(tmp_path):
     twin = [dict(e, cat="kernel") if e["cat"] == "cpu_op" else e for e in ev]
     trace.write_text(json.dumps({"traceEvents": twin}))
     assert b.categorize_trace(trace, wall_s=2.0)["busy"] > 2.0
+
+
+def test_max_token_len_bound_is_the_longest_drawable_sample():
+    """issue 41: checked up front (it was a verl assertion after the model build, reported as 'a bug');
+    twin: the bound itself is what draw_lengths can reach, and a value at the bound is accepted."""
+    import torch
+
+    mod = _bench_module()
+    g = torch.Generator().manual_seed(0)
+    for text in ("fixed:7", "uniform:3:9", "lognormal:4:2.0:11"):
+        d = mod.parse_dist(text, "--resp-len")
+        assert max(mod.draw_lengths(d, 4000, g)) == mod.dist_max(d)
+    base = ["--model", "tiny", "--prompt-len", "fixed:8", "--resp-len", "uniform:4:24"]
+    assert mod.parse_args([*base, "--max-token-len", "32"]).max_token_len == 32
+    with pytest.raises(mod.UsageError, match="--max-token-len 31: .* = 32 tokens"):
+        mod.parse_args([*base, "--max-token-len", "31"])

@@ -373,6 +373,7 @@ CONFIG_FAULTS = [  # (preset, command-line override planting the fault, error pa
     ("tiny_cpu_dapo", "algorithm.filter_groups.enable=false", "zero-variance groups"),
     ("tiny_cpu_dapo", "actor_rollout_ref.actor.clip_ratio_high=0.2", "clip-higher"),
     ("tiny_cpu_dapo", "reward.reward_manager.name=naive", "reward_manager.name=dapo"),
+    ("tiny_cpu_dapo", "algorithm.filter_groups.metric=accuracy", "not a metric the reward gives"),  # issue 41
     ("tiny_cpu_gspo", "actor_rollout_ref.actor.clip_ratio_high=0.28", "unclipped"),
     ("tiny_cpu_gspo", "actor_rollout_ref.actor.policy_loss.loss_mode=vanilla", "loss_mode='vanilla'"),
     ("tiny_cpu_one_step_off", "actor_rollout_ref.hybrid_engine=true", "hybrid_engine=false"),
@@ -431,3 +432,52 @@ def test_reward_plot_is_titled_by_the_algorithm_and_mode():
     assert title("tiny_cpu_gspo") == "GSPO reward per step"
     assert title("tiny_cpu_one_step_off") == "GRPO (one-step-off) reward per step"
     assert title("tiny_cpu") == "GRPO reward per step"
+
+
+# ------------------------------------------------------------------------------------ issue 41: checked at dry run
+
+def _cfg(**kw):
+    from omegaconf import OmegaConf
+
+    base = {"algorithm": {"adv_estimator": "grpo", "filter_groups": {"enable": True, "metric": "acc"}},
+            "actor_rollout_ref": {"rollout": {"n": 4}, "actor": {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28}},
+            "reward": {"reward_manager": {"name": "dapo"}, "reward_kwargs": {"overlong_buffer_cfg": {"enable": False}}},
+            "data": {"max_response_length": 64}}
+    cfg = OmegaConf.create(base)
+    for k, v in kw.items():
+        OmegaConf.update(cfg, k.replace("__", "."), v)
+    return cfg
+
+
+DAPO = algorithms.Choice("sync", "dapo", {}, "none")
+GRPO = algorithms.Choice("sync", "grpo", {}, "none")
+
+
+def test_dapo_filter_metric_must_be_one_the_reward_gives():
+    assert algorithms.check_config(_cfg(), DAPO) == []
+    errs = algorithms.check_config(_cfg(algorithm__filter_groups__metric="accuracy"), DAPO)  # twin: no such metric
+    assert len(errs) == 1 and "algorithm.filter_groups.metric='accuracy' is not a metric" in errs[0]
+    assert "overlong" not in errs[0]
+    assert algorithms.check_config(_cfg(algorithm__filter_groups__metric="overlong"), DAPO)  # overlong off: none
+    on = _cfg(algorithm__filter_groups__metric="overlong", reward__reward_kwargs__overlong_buffer_cfg__enable=True,
+              reward__reward_kwargs__overlong_buffer_cfg__len=16, reward__reward_kwargs__max_resp_len=64)
+    assert algorithms.check_config(on, DAPO) == []
+
+
+def test_dapo_metrics_are_the_numeric_keys_of_the_reward_function():
+    from dsv3_rl.reward.math_reward import compute_score
+
+    out = compute_score("math", "The answer is \\boxed{2}", "2")
+    numeric = {k for k, v in out.items() if isinstance(v, (int, float))}
+    assert numeric == set(algorithms.DAPO_METRICS) - {"reward"}, out
+
+
+@pytest.mark.parametrize("algo,est", [(GRPO, "grpo"), (DAPO, "grpo"), (GRPO, "rloo")])
+def test_group_advantages_need_two_samples_per_prompt(algo, est):
+    assert algorithms.check_config(_cfg(algorithm__adv_estimator=est), algo) == []
+    errs = algorithms.check_config(_cfg(algorithm__adv_estimator=est, actor_rollout_ref__rollout__n=1), algo)
+    assert len(errs) == 1 and f"rollout.n=1 with algorithm.adv_estimator={est}" in errs[0] and "0" in errs[0]
+
+
+def test_twin_rollout_n_1_with_a_critic_is_not_refused():
+    assert algorithms.check_config(_cfg(algorithm__adv_estimator="gae", actor_rollout_ref__rollout__n=1), GRPO) == []

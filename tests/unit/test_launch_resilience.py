@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -39,6 +40,9 @@ def _save_step(root: Path, step: int, scale: float = 1.0) -> Path:
         out.mkdir(parents=True)
         dcp.save(sd, checkpoint_id=str(out), no_dist=True)
         (out / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+    (d / "actor" / "ckpt_contents.json").write_text(json.dumps(  # verl writes it last, after every dist checkpoint
+        {"contents": {p: {"path": f"{p}/dist_ckpt", "format": "megatron_dist_checkpoint"}
+                      for p in ("model", "optimizer", "extra")}}))
     (d / "data.pt").write_bytes(b"dataloader-state")
     ckpt.set_tracker(root, step)
     return d
@@ -106,21 +110,163 @@ def test_twin_verification_off_resumes_the_damaged_checkpoint(two_steps):
     assert (two_steps / "global_step_8").is_dir()  # verl would load it: see test_verification_off_loads_and_crashes
 
 
-def test_incomplete_save_is_removed_and_keep_never_removes_the_only_good(tmp_path):
+def _partial(root: Path, step: int) -> Path:
+    """A save interrupted half-way (disk full, a kill): a shard, no .metadata, no ckpt_contents.json, no data.pt."""
+    part = root / f"global_step_{step}" / "actor" / "model" / "dist_ckpt"
+    part.mkdir(parents=True)
+    (part / "__0_0.distcp").write_bytes(b"x" * 100)
+    return root / f"global_step_{step}"
+
+
+def test_incomplete_save_is_moved_aside_and_keep_never_removes_the_only_good(tmp_path):
     root = tmp_path / "ckpt"
     for n in (4, 8, 12):
         ckpt.write_manifest(_save_step(root, n))
-    partial = root / "global_step_16" / "actor" / "model" / "dist_ckpt"  # a disk-full save: no tracker update
-    partial.mkdir(parents=True)
-    (partial / "__0_0.distcp").write_bytes(b"x" * 100)
+    _partial(root, 16)  # a disk-full save: no tracker update, and no launcher of this run saw it begin
     said: list[str] = []
     assert ckpt.prepare_resume(root, keep=2, say=said.append) == 12
     assert sorted(ckpt.step_dirs(root)) == [8, 12]  # 16 incomplete, 4 beyond max_actor_ckpt_to_keep=2
-    assert any("incomplete checkpoint" in s and "global_step_16" in s for s in said)
+    assert (root / "global_step_16.incomplete").is_dir()  # not ours to delete: moved aside, kept
+    assert any("step 16 is incomplete" in s and "moved aside" in s for s in said)
     # the newest is damaged and keep=1: the fallback (8) is kept, the damaged one moved aside, not lost
     _truncate(next((root / "global_step_12/actor/model/dist_ckpt").glob("*.distcp")))
     assert ckpt.prepare_resume(root, keep=1, say=said.append) == 8
     assert sorted(ckpt.step_dirs(root)) == [8] and (root / "global_step_12.damaged").is_dir()
+
+
+def test_this_runs_own_partial_save_is_deleted_any_other_moved_aside(tmp_path):
+    root = tmp_path / "ckpt"
+    ckpt.write_manifest(_save_step(root, 2))
+    before = ckpt.step_inodes(root)
+    _partial(root, 4)
+    ckpt.record_saves(root, before, "attempt-1")  # the launcher saw step 4's save begin during its attempt
+    said: list[str] = []
+    assert ckpt.prepare_resume(root, keep=None, say=said.append) == 2
+    assert not (root / "global_step_4").exists() and not (root / "global_step_4.incomplete").exists()
+    assert "removing the incomplete checkpoint" in said[0] and "a save of this run" in said[0].replace(
+        "an interrupted or failed save of this run", "a save of this run")
+    # twin: the same partial directory, replaced by another one (another inode): not provably ours, moved aside
+    _partial(root, 4)
+    said.clear()
+    assert ckpt.prepare_resume(root, keep=None, say=said.append) == 2
+    assert (root / "global_step_4.incomplete").is_dir() and "moved aside" in said[0]
+
+
+@pytest.mark.parametrize("tracker", ["abc", "", None], ids=["garbage", "empty", "deleted"])
+def test_a_bad_tracker_never_deletes_the_complete_checkpoint(tmp_path, tracker):
+    root = tmp_path / "ckpt"
+    ckpt.write_manifest(_save_step(root, 1))
+    if tracker is None:
+        (root / ckpt.TRACKER).unlink()
+    else:
+        (root / ckpt.TRACKER).write_text(tracker)
+    said: list[str] = []
+    assert ckpt.prepare_resume(root, keep=2, say=said.append) == 1
+    assert (root / "global_step_1").is_dir() and ckpt.tracker_step(root) == 1
+    (line,) = said  # one line says the fix
+    assert line.startswith(f"{ckpt.TRACKER} is {dict(abc='unreadable', empty='empty').get(tracker or 'x', '') or ''}")
+    assert "step 1 is the newest complete checkpoint (by its manifest)" in line and "now says 1" in line
+
+
+@pytest.mark.parametrize("tracker", ["abc", "", None], ids=["garbage", "empty", "deleted"])
+def test_twin_a_bad_tracker_and_only_a_partial_save_starts_over(tmp_path, tracker):
+    root = tmp_path / "ckpt"
+    _partial(root, 1)
+    if tracker is not None:
+        (root / ckpt.TRACKER).write_text(tracker)
+    said: list[str] = []
+    assert ckpt.prepare_resume(root, keep=2, say=said.append) is None
+    assert (root / "global_step_1.incomplete").is_dir() and not (root / ckpt.TRACKER).exists()
+
+
+def test_a_tracker_behind_a_complete_checkpoint_is_moved_forward(tmp_path):
+    root = tmp_path / "ckpt"
+    for n in (1, 2):
+        ckpt.write_manifest(_save_step(root, n))
+    ckpt.set_tracker(root, 1)  # the manifest of step 2, written only after the tracker named it, proves it complete
+    said: list[str] = []
+    assert ckpt.prepare_resume(root, keep=1, say=said.append) == 2
+    assert ckpt.tracker_step(root) == 2 and sorted(ckpt.step_dirs(root)) == [2]  # keep=1: step 1 goes, never 2
+    assert said[0] == (f"{ckpt.TRACKER} says 1 but step 2 is complete (by its manifest): resuming from step 2 "
+                       f"({ckpt.TRACKER} now says 2)")
+    # without a manifest: verl's completion markers (ckpt_contents.json, data.pt) and the byte ranges decide
+    ckpt.write_manifest(_save_step(root, 3))
+    (root / "global_step_3" / ckpt.MANIFEST).unlink()
+    ckpt.set_tracker(root, 2)
+    said.clear()
+    assert ckpt.prepare_resume(root, keep=None, say=said.append) == 3
+    assert "by verl's completion markers" in said[0] and "without digests" in said[1]
+
+
+def test_twin_a_save_killed_before_its_completion_markers_is_not_resumed(tmp_path):
+    root = tmp_path / "ckpt"
+    for n in (1, 2):
+        ckpt.write_manifest(_save_step(root, n))
+    (root / "global_step_2" / ckpt.MANIFEST).unlink()
+    (root / "global_step_2" / "actor" / "ckpt_contents.json").unlink()  # verl died before writing it
+    ckpt.set_tracker(root, 1)
+    said: list[str] = []
+    assert ckpt.prepare_resume(root, keep=None, say=said.append) == 1
+    assert (root / "global_step_2.incomplete").is_dir() and "no actor/ckpt_contents.json" in said[0]
+
+
+def test_a_checkpoint_resumed_without_digests_says_so(two_steps):
+    d8 = two_steps / "global_step_8"
+    (d8 / ckpt.MANIFEST).unlink()
+    shard = next((d8 / "actor/model/dist_ckpt").glob("*.distcp"))
+    b = bytearray(shard.read_bytes())
+    b[len(b) // 2] ^= 0x01  # one bit in the middle of the shard: no digest left to see it
+    shard.write_bytes(bytes(b))
+    said: list[str] = []
+    assert ckpt.prepare_resume(two_steps, keep=2, say=said.append) == 8
+    (line,) = said
+    assert line == (f"resuming step 8 without digests: its {ckpt.MANIFEST} is missing; its files' byte ranges "
+                    f"verify, a changed byte would not be seen")
+
+
+def test_twin_with_its_manifest_the_flipped_bit_is_found(two_steps):
+    shard = next((two_steps / "global_step_8/actor/model/dist_ckpt").glob("*.distcp"))
+    b = bytearray(shard.read_bytes())
+    b[len(b) // 2] ^= 0x01
+    shard.write_bytes(bytes(b))
+    said: list[str] = []
+    assert ckpt.prepare_resume(two_steps, keep=2, say=said.append) == 4
+    assert "checkpoint step 8 is damaged" in said[0] and "digest" in said[0]
+
+
+def test_an_unreadable_manifest_is_a_missing_one_never_a_reason_to_discard(two_steps):
+    (two_steps / "global_step_8" / ckpt.MANIFEST).write_text("{not json")
+    said: list[str] = []
+    assert ckpt.prepare_resume(two_steps, keep=2, say=said.append) == 8
+    assert (two_steps / "global_step_8").is_dir() and not (two_steps / "global_step_8.damaged").exists()
+    (line,) = said
+    assert "without digests: its dsv3-manifest.json is unreadable (JSONDecodeError" in line and "treated as missing" in line
+    # twin: an unreadable manifest AND a truncated shard: the byte ranges still find it, the run falls back to 4
+    _truncate(next((two_steps / "global_step_8/actor/model/dist_ckpt").glob("*.distcp")))
+    said.clear()
+    assert ckpt.prepare_resume(two_steps, keep=2, say=said.append) == 4
+    assert "checkpoint step 8 is damaged" in said[0] and "needs bytes" in said[0]
+
+
+def test_a_deleted_dist_checkpoint_that_verl_listed_is_damage(two_steps):
+    import shutil
+
+    (two_steps / "global_step_8" / ckpt.MANIFEST).unlink()
+    assert ckpt.verify(two_steps / "global_step_8") == []
+    shutil.rmtree(two_steps / "global_step_8/actor/optimizer")  # twin: the optimizer gone, verl's contents list it
+    problems = ckpt.verify(two_steps / "global_step_8")
+    assert problems and "actor/optimizer/dist_ckpt: missing" in problems[0] and "ckpt_contents.json lists it" in problems[0]
+
+
+def test_moving_aside_never_replaces_an_earlier_one(two_steps):
+    for k in range(2):
+        _truncate(next((two_steps / "global_step_8/actor/model/dist_ckpt").glob("*.distcp")))
+        assert ckpt.prepare_resume(two_steps, keep=2, say=lambda s: None) == 4
+        if k == 0:
+            import shutil
+
+            shutil.copytree(two_steps / "global_step_8.damaged", two_steps / "global_step_8")
+    assert (two_steps / "global_step_8.damaged").is_dir() and (two_steps / "global_step_8.damaged.2").is_dir()
 
 
 def test_find_saved_model_uses_verls_layout_not_a_substring(tmp_path):
@@ -201,6 +347,15 @@ FAKE_PPO = textwrap.dedent("""
     metrics, root = os.environ["VERL_FILE_LOGGER_PATH"], {root!r}
     total, save, fail_at, mode = 6, 2, int(os.environ.get("FAKE_FAIL_AT", 0)), os.environ.get("FAKE_MODE", "")
     (open(os.environ["FAKE_STARTS"], "a")).write("start\\n")
+    launches = open(os.environ["FAKE_STARTS"]).read().count("start")
+    if mode == "startfail" and launches == 1:  # ray.init on a loaded box right after a teardown (issue 41)
+        print("Traceback (most recent call last):\\n  File \\"ray/_private/node.py\\", line 1242, in start_ray_processes\\n"
+              "Exception: The current node timed out during startup. This could happen because some of the Ray "
+              "processes failed to startup.", flush=True)
+        sys.exit(1)
+    if mode in ("vanish", "hang") and launches == 1:  # a trainer worker as Ray names it (ray::WorkerDict)
+        import subprocess
+        worker = subprocess.Popen(["bash", "-c", "exec -a ray::WorkerDict sleep 600"])
     start = (ckpt.tracker_step(root) or 0) + 1
     print("FAKE resumed from", start - 1, flush=True)
     for step in range(start, total + 1):
@@ -212,6 +367,15 @@ FAKE_PPO = textwrap.dedent("""
                 print("torch.distributed.checkpoint.api.CheckpointException: CheckpointException ranks:dict_keys([0])"
                       "\\nOSError: [Errno 28] No space left on device", flush=True)
                 sys.exit(1)
+            if mode in ("vanish", "hang"):  # during the save of this step: its directory appears, then silence
+                part = __import__("pathlib").Path(root) / f"global_step_{{step}}" / "actor" / "model" / "dist_ckpt"
+                part.mkdir(parents=True)
+                (part / "__0_0.distcp").write_bytes(b"x" * 1000)
+                if mode == "vanish":  # kill -9 of the worker; its forked save child lives on, holding its sockets
+                    subprocess.Popen(["bash", "-c", "exec -a ray::WorkerDict-save-child sleep 600"])
+                    time.sleep(2.5)  # the worker has lived for the whole run (monitor.VANISH_MIN_AGE_S)
+                    worker.kill()
+                time.sleep(600)  # Ray never reports it: no log line, no exit
             if mode == "engine":
                 print("(AsyncvLLMServer pid=777) vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered "
                       "an issue", flush=True)
@@ -282,6 +446,7 @@ def test_a_step_checkpointed_but_not_logged_is_redone_after_a_restart(tmp_path, 
     rep = json.loads((tmp_path / "logs/report.json").read_text())
     assert [s["step"] for s in rep["steps"]] == [1, 2, 3, 4, 5, 6]  # every step in the record
     assert rep["run"]["restarts"][0]["steps_repeated"] == 2  # = save_freq
+    assert (tmp_path / "ckpt/global_step_4.unlogged/actor/ckpt_contents.json").is_file()  # complete: kept, aside
 
 
 @pytest.mark.timeout(240)
@@ -313,6 +478,148 @@ def test_dead_engine_is_stopped_without_a_timeout_and_restarted(tmp_path, capsys
     assert "RESTART 1/1: the vLLM engine (EngineCore) lost during step 3" in out  # pid 777 is the reporter's
     # nothing of this run left (its processes carry its metrics path; another test's run may share the machine)
     assert not monitor.run_ids(f"VERL_FILE_LOGGER_PATH={tmp_path / 'logs' / 'metrics.jsonl'}")
+
+
+@pytest.mark.slow  # 10-30 s on 2 cores
+@pytest.mark.timeout(240)
+def test_a_worker_killed_during_a_save_is_a_loss_not_a_hang(tmp_path, capsys, monkeypatch):
+    """issue 41: kill -9 of a trainer worker while it saves: its forked save child lives on, Ray says nothing, the
+    run was silent until run.timeout_s (GPU presets: for ever). The vanished process is the loss: named with its
+    pid, the attempt stopped (the orphaned save child with it), the partial save removed, the run restarted."""
+    monkeypatch.setattr(monitor, "LOST_GRACE_S", 2.0)
+    monkeypatch.setattr(monitor, "VANISH_MIN_AGE_S", 1.0)  # the fake's worker lives ~4 s, a real one the whole run
+    monkeypatch.setattr(train, "START_RETRY_WAIT_S", 0.0)
+    launch = _fake_launch(tmp_path, max_restarts=1)
+    t0 = time.monotonic()
+    assert train.run_single_node(launch, _env(tmp_path, FAKE_FAIL_AT="4", FAKE_MODE="vanish")) == 0
+    assert time.monotonic() - t0 < 200  # the fake sleeps 600 s: only the launcher ends it
+    out = capsys.readouterr().out
+    m = re.search(r"RESTART 1/1: a Ray worker \(WorkerDict, pid (\d+)\) lost during step 4", out)
+    assert m, out[-3000:]
+    assert "removing the incomplete checkpoint" in out and "global_step_4" in out  # this run's own partial save
+    assert not (tmp_path / "ckpt/global_step_4.incomplete").exists()
+    assert not monitor.run_ids(f"VERL_FILE_LOGGER_PATH={tmp_path / 'logs' / 'metrics.jsonl'}")  # the save child too
+    assert "GRPO fake PASSED: 6/6 steps" in out.strip().splitlines()[-1]
+
+
+@pytest.mark.slow  # 10-30 s on 2 cores
+@pytest.mark.timeout(240)
+def test_a_silent_stall_ends_the_attempt_at_the_stall_limit(tmp_path, capsys, monkeypatch):
+    """The watchdog: no new metrics for the stall limit (said in the progress lines) ends the attempt as lost;
+    twin: the same run with the limit far away (the fake sleeps 600 s) is not ended by the test's deadline."""
+    monkeypatch.setattr(monitor, "STALL_MIN_S", 8.0)
+    monkeypatch.setattr(monitor, "WATCHED", ())  # the worker stays: only the stall is left to see
+    launch = _fake_launch(tmp_path, max_restarts=1)
+    assert train.run_single_node(launch, _env(tmp_path, FAKE_FAIL_AT="4", FAKE_MODE="hang")) == 0
+    out = capsys.readouterr().out
+    assert "(stall limit 8s)" in out
+    assert "RESTART 1/1: the run, stalled (no new metrics for 8s, its stall limit) lost during step 4" in out
+    assert "GRPO fake PASSED: 6/6 steps" in out.strip().splitlines()[-1]
+
+
+def test_watched_processes_are_named_by_their_title_not_their_arguments(tmp_path):
+    """A Ray worker's arguments name the raylet's socket (``--raylet-name=.../sockets/raylet``): the first version
+    watched every such worker as "the raylet" and the real run lost its start-up to idle workers that exited. Twin: a
+    process whose title is the raylet's path is watched."""
+    rid = "watch" + os.urandom(4).hex()
+    env = {**os.environ, monitor.RUN_ID_ENV: rid}
+    worker = subprocess.Popen(["bash", "-c", f"exec -a python {sys.executable} -c 'import time; time.sleep(60)' "
+                               "--raylet-name=/tmp/ray/s/sockets/raylet"], env=env)
+    raylet = subprocess.Popen(["bash", "-c", "exec -a /opt/ray/core/src/ray/raylet/raylet sleep 60"], env=env)
+    engine = subprocess.Popen(["bash", "-c", "exec -a VLLM::EngineCore sleep 60"], env=env)
+    # a trainer worker that forks (its checkpoint save child: the same title, exits after the save): one process
+    forking = subprocess.Popen(["bash", "-c", f"exec -a ray::WorkerDict {sys.executable} -c "
+                                "'import os, time; os.fork(); time.sleep(60)'"], env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 10
+        while len(monitor.run_processes(rid)) < 5 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(monitor.run_processes(rid)) == 5  # the fork child is there, and carries the run marker
+        assert monitor.watched_processes(rid) == {raylet.pid: "raylet", engine.pid: "EngineCore",
+                                                  forking.pid: "WorkerDict"}
+    finally:
+        os.killpg(forking.pid, 9)
+        forking.wait()
+        for q in (worker, raylet, engine):
+            q.kill()
+            q.wait()
+
+
+def test_a_vanished_process_was_seen_long_enough_and_is_gone(tmp_path):
+    """The conservative rule (the real kill-during-save runs of 2026-11-28 restarted on processes that were not
+    lost): a watched process is lost only when it was seen alive for VANISH_MIN_AGE_S and its pid is gone (or a
+    zombie). Not lost: one seen for less (twin: the same kill after the age is a loss), one still alive under
+    another title (it exec'd a tool; twin: the same age killed is a loss), and the fork+exec churn of a watched
+    process (``sleep 0.1`` children of a ray::WorkerDict: between fork and exec they have its title)."""
+    rid = "vanish" + os.urandom(4).hex()
+    env = {**os.environ, monitor.RUN_ID_ENV: rid}
+    flag = tmp_path / "exec-now"
+    execs = subprocess.Popen(["bash", "-c", f"exec -a ray::WorkerDict bash -c 'while [ ! -e {flag} ]; do sleep 0.1; "
+                              "done; exec -a some-tool sleep 60'"], env=env)
+    task = subprocess.Popen(["bash", "-c", "exec -a ray::TaskRunnerV1 sleep 60"], env=env)
+    old = subprocess.Popen(["bash", "-c", "exec -a VLLM::EngineCore sleep 60"], env=env)
+    procs, age = [execs, task, old], monitor.VANISH_MIN_AGE_S
+
+    def until(pred):
+        deadline = time.monotonic() + 10
+        while not pred() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert pred()
+
+    try:
+        until(lambda: {execs.pid, task.pid, old.pid} <= set(monitor.watched_processes(rid)))
+        v = monitor.Vanished(rid)
+        assert v.poll(0.0) is None
+        brief = subprocess.Popen(["bash", "-c", "exec -a VLLM::EngineCore_1 sleep 60"], env=env)
+        procs.append(brief)
+        until(lambda: brief.pid in monitor.watched_processes(rid))
+        assert v.poll(age) is None
+        brief.kill()  # not waited for: a zombie, as a killed worker whose parent has not reaped it yet
+        until(lambda: brief.pid not in monitor.run_processes(rid))
+        assert v.poll(age + 1) is None  # seen for 0 s: not a loss
+        old.kill()
+        until(lambda: old.pid not in monitor.run_processes(rid))
+        assert v.poll(age + 2) == (old.pid, "EngineCore")  # twin: seen for `age`, gone: a loss
+        flag.touch()
+        until(lambda: execs.pid not in monitor.watched_processes(rid))
+        assert execs.poll() is None and v.poll(age + 3) is None  # alive as some-tool: dropped, not lost
+        task.kill()
+        until(lambda: task.pid not in monitor.run_processes(rid))
+        assert v.poll(age + 4) == (task.pid, "TaskRunnerV1")  # twin: the same age, gone
+        assert v.poll(age + 5) is None  # each loss once
+    finally:
+        for q in procs:
+            q.kill()
+            q.wait()
+
+
+def test_twin_stall_bound_needs_a_measured_step():
+    assert monitor.stall_bound([]) is None  # the start-up: run.timeout_s alone
+    assert monitor.stall_bound([10.0, 200.0]) == max(monitor.STALL_MIN_S, 1000.0)
+    assert monitor.stall_bound([1.0]) == monitor.STALL_MIN_S
+
+
+@pytest.mark.slow  # 10-30 s on 2 cores
+@pytest.mark.timeout(240)
+def test_a_failed_ray_start_is_retried_and_counted(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(train, "START_RETRY_WAIT_S", 0.0)
+    launch = _fake_launch(tmp_path, max_restarts=1)
+    assert train.run_single_node(launch, _env(tmp_path, FAKE_MODE="startfail")) == 0
+    out = capsys.readouterr().out
+    assert "RESTART 1/1: a failed start of Ray or vLLM (Exception: The current node timed out during startup" in out
+    assert "before step 1" in out and "retrying the start with a fresh Ray cluster" in out
+    rep = json.loads((tmp_path / "logs/report.json").read_text())
+    assert "timed out during startup" in rep["run"]["restarts"][0]["cause"]
+    assert "GRPO fake PASSED: 6/6 steps" in out.strip().splitlines()[-1]
+
+
+@pytest.mark.timeout(240)
+def test_twin_a_failed_start_without_restarts_names_the_cause_in_the_summary(tmp_path, capsys):
+    launch = _fake_launch(tmp_path, max_restarts=0)
+    assert train.run_single_node(launch, _env(tmp_path, FAKE_MODE="startfail")) == 1
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "GRPO fake FAILED: 0/6 steps" in last and "The current node timed out during startup" in last
+    assert "no restart left (run.max_restarts=0)" in last
 
 
 @pytest.mark.slow  # 10-26 s on 2 cores: out of the developer loop (make test-fast < 5 min, issue 28)
@@ -459,3 +766,30 @@ def test_a_manifest_written_after_the_damage_does_not_vouch_for_it(tmp_path):
     problems = ckpt.verify(d)
     assert problems and "needs bytes" in problems[0] and "embedding.word_embeddings.weight" in problems[0]
     assert ckpt.verify(_save_step(root, 8)) == []  # twin: an intact step without a manifest verifies
+
+
+def test_a_moved_run_directory_resumes_paths_are_not_settings(tmp_path):
+    """issue 41: a run directory copied or moved elsewhere (WORK_DIR changes, so every path override does) is the same
+    run; the launcher once called the new paths "other settings" and advised abandoning the checkpoints."""
+    import shutil
+
+    from dsv3_rl.launch import run as launch_run
+    from dsv3_rl.verl_glue.overrides import flatten
+
+    def resolve(work, *overrides):
+        return launch_run.resolve("tiny_cpu", list(overrides), {**os.environ, "WORK_DIR": str(work)}, validate=False)
+
+    a = resolve(tmp_path / "a")
+    _save_step(a.paths.ckpt, 2)
+    workdir.record_identity(a)
+    shutil.move(tmp_path / "a", tmp_path / "b")
+    b = resolve(tmp_path / "b")
+    assert b.paths.ckpt != a.paths.ckpt and b.paths.ckpt.is_dir()
+    assert workdir.identity_mismatch(b) is None
+    # twin: a setting that is not a path, in the moved directory, is still another run
+    why = workdir.identity_mismatch(resolve(tmp_path / "b", "actor_rollout_ref.actor.optim.lr=0.5"))
+    assert why and "other settings (actor_rollout_ref.actor.optim.lr:" in why
+    # every path the launcher's path wiring sets is a path key (a new one must be added to run.PATH_KEYS)
+    p = types.SimpleNamespace(weights={"dist_ckpt": True})
+    wired = {k for k, v in flatten(launch_run.path_tree(p, b.paths)) if str(v).startswith("/")}
+    assert len(wired) == 7 and wired <= set(launch_run.PATH_KEYS)

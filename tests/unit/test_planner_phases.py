@@ -461,3 +461,34 @@ def test_fp8_blockwise_scales_and_fp8_param():
 def test_fp8_options_reject_what_megatron_does_not_run(kw, msg):
     with pytest.raises(ValueError, match=msg):
         Options(**kw)
+
+
+# ------------------------------------------------------------------------------------ issue 41: exit codes, ranges
+
+def _phases_cli(*args):
+    from dsv3_rl.planner.cli import main as plan_main
+
+    return plan_main(["phases", "--model", "tiny", "--gpu", "H100", "--gpus-per-node", "4", "--prompts", "8",
+                      "--n", "4", "--prompt-len", "64", "--response-len", "64", *args])
+
+
+def test_phases_with_a_rejected_layout_exits_1_like_check(capsys):
+    assert _phases_cli("--layout", "tp=3") == 1
+    out = capsys.readouterr().out
+    last = out.splitlines()[-1]
+    assert last.startswith("summary: 0 of 1") and last.endswith("TP3 PP1 EP1 rc=none rejected")  # no time for it
+    assert _phases_cli("--layout", "tp=2") == 0  # twin: a layout that fits
+    assert "0 of 1" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flag,value", [("--gpu-memory-gib", "-80"), ("--gpu-memory-gib", "0"),
+                                        ("--gpu-memory-gib", "nan"), ("--max-tokens-per-gpu", "0"),
+                                        ("--mini-batch", "9")])
+def test_planner_value_ranges_are_bad_input(flag, value, capsys):
+    from dsv3_rl.planner.cli import main as plan_main
+
+    argv = ["check", "--model", "tiny", "--gpu", "H100", "--gpus-per-node", "4", "--prompts", "8", "--layout", "tp=1"]
+    assert plan_main([*argv, flag, value]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and ("must be" in err[0]), err
+    assert plan_main([*argv, flag, "80" if "gib" in flag else "4"]) in (0, 1)  # twin: an allowed value is no input error
