@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 
 from dsv3_rl.errors import Dsv3Error, cli_main
+from dsv3_rl.fs import sha256_file
 
 REPO = Path(__file__).resolve().parent.parent
 LOCK = REPO / "scripts" / "gpu-box.lock"
@@ -95,14 +96,6 @@ class GpuBoxError(Dsv3Error, ValueError):
 
 def _norm(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 # ------------------------------------------------------------------------------------------------ the lock
