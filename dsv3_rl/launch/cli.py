@@ -104,7 +104,8 @@ def _print_launch(launch, *, out=None, full: bool = True) -> None:
         rc = otc.get("recompute_granularity") or "none"
         if rc == "selective":
             rc += "[" + ",".join(otc.get("recompute_modules") or []) + "]"
-        pr(f"trainer    megatron {s.short()} recompute={rc}")
+        dtype = select(launch.cfg, "actor_rollout_ref.actor.megatron.dtype")
+        pr(f"trainer    megatron {s.short()} recompute={rc} dtype={dtype}")
         util = select(launch.cfg, "actor_rollout_ref.rollout.gpu_memory_utilization")
         inst = s.rollout_tp * s.rollout_dp * s.rollout_pp
         pr(f"rollout    {select(launch.cfg, 'actor_rollout_ref.rollout.name')} {s.rollout_short()} "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import subprocess
 import sys
@@ -124,6 +125,26 @@ def router_facts(model_cfg: dict, router: dict) -> dict[str, Any]:
     return {k: kw[k] for k in ROUTER_MCORE_KEYS if k in kw and kw[k] is not None}
 
 
+@functools.lru_cache(maxsize=1)
+def host_cpu_flags() -> frozenset[str]:
+    """This machine's CPU feature flags (/proc/cpuinfo; empty where there is none)."""
+    from dsv3_rl.recipes.train_precision import cpu_flags
+
+    try:
+        return cpu_flags(Path("/proc/cpuinfo").read_text(errors="replace"))
+    except OSError:
+        return frozenset()
+
+
+def train_mode(preset: Preset) -> tuple[str, str]:
+    """The preset's training precision on this machine (``train_precision: auto`` resolved by the CPU's flags) and
+    why, for auto ('' otherwise): dsv3_rl.recipes.train_precision.resolve."""
+    from dsv3_rl.recipes.train_precision import resolve as resolve_precision
+
+    flags = host_cpu_flags() if preset.is_cpu and preset.train_precision == "auto" else frozenset()
+    return resolve_precision(preset.train_precision, preset.is_cpu, flags)
+
+
 def derived_tree(preset: Preset, model_cfg: dict) -> dict:
     """verl keys for the preset's layout / rollout / router / hardware / run sections."""
     t: dict = {}
@@ -180,9 +201,9 @@ def derived_tree(preset: Preset, model_cfg: dict) -> dict:
     from dsv3_rl.recipes import rollout_quantization  # preset.rollout_quantization by name -> rollout.quantization
 
     t = deep_merge(t, rollout_quantization.verl_tree(preset.rollout_quantization))
-    from dsv3_rl.recipes import train_precision  # preset.train_precision -> override_transformer_config.fp8/fp8_recipe
+    from dsv3_rl.recipes import train_precision  # preset.train_precision -> megatron dtype / override_transformer_config.fp8
 
-    t = deep_merge(t, train_precision.verl_tree(preset.train_precision, preset.fp8_recipe))
+    t = deep_merge(t, train_precision.verl_tree(train_mode(preset)[0], preset.fp8_recipe))
     from dsv3_rl.recipes import algorithms  # preset.trainer_mode / algorithm by name -> resources, losses, filters
 
     resp = (preset.verl.get("data") or {}).get("max_response_length")
@@ -337,6 +358,9 @@ def resolve(preset_name: str, user_overrides: list[str] | None = None, environ: 
     paths = resolve_paths(preset, environ, preset_cfg)
     model_cfg, model_src, findings = model_facts(preset, paths.hf)
 
+    mode, why = train_mode(preset)
+    if why:
+        notes.append(f"train_precision auto -> {mode} ({why})")
     if preset.is_cpu and any(k in environ for k in TE_ATTENTION_ENV):
         notes.append(f"unsetting {', '.join(k for k in TE_ATTENTION_ENV if k in environ)} for this CPU run "
                      "(TransformerEngine attention switches; the CPU model uses attention_backend=local)")

@@ -282,6 +282,10 @@ def _train_precision(where: str, data: dict, hw: dict) -> tuple[str, str]:
         raise PresetError(f"{where}: fp8_recipe={recipe!r}{close(str(recipe), tp.RECIPES)} (allowed: {', '.join(tp.RECIPES)})")
     if "fp8_recipe" in data and prec != "fp8":
         raise PresetError(f"{where}: fp8_recipe={recipe!r} with train_precision={prec!r}: the recipe applies to fp8 only")
+    meg = (((data.get("verl") or {}).get("actor_rollout_ref") or {}).get("actor") or {}).get("megatron") or {}
+    if "dtype" in meg and "train_precision" in data:
+        raise PresetError(f"{where}: verl actor_rollout_ref.actor.megatron.dtype={meg['dtype']!r} beside "
+                          f"train_precision={data['train_precision']!r}: say the precision once, with train_precision")
     if prec == "fp8" and hw["gpu"] == "cpu":
         raise PresetError(f"{where}: train_precision=fp8 on a CPU preset (hardware.gpu=cpu): {tp.CPU_REFUSAL}")
     return prec, recipe

@@ -111,6 +111,39 @@ def recompute_selective(cfg_dir: str, work: str) -> None:
     print(f"scenario recompute_selective: ok (max grad diff {worst:.1e})")
 
 
+def bf16_optimizer_step(cfg_dir: str, work: str) -> None:
+    """A bf16 GPTModel on CPU takes one step of megatron-core's own mixed-precision optimizer, built the way verl
+    builds it (get_megatron_optimizer over the DDP chunks): fp32 main params, grad-norm clipping, copy back to bf16."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from dsv3_rl.models.config_map import Parallel
+    from dsv3_rl.mcore import runtime
+    from dsv3_rl.mcore.layout_check import make_batches
+
+    cfg = _config(cfg_dir)
+    runtime.init_distributed(Parallel())
+    chunks = runtime.wrap_ddp(runtime.build_model(cfg, Parallel(), dtype=torch.bfloat16, use_te=False))
+    params = dict(chunks[0].module.named_parameters())
+    bf16 = [n for n, p in params.items() if p.dtype == torch.bfloat16]  # the torch norms' weights stay fp32
+    assert len(bf16) > len(params) // 2, f"only {len(bf16)} of {len(params)} params are bf16"
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, bf16=True, clip_grad=1.0,
+                                                 use_distributed_optimizer=False), chunks)
+    before = {n: params[n].detach().clone() for n in bf16}
+    runtime.forward_backward(chunks, make_batches(cfg.vocab_size, 1, 2, 8), 1, 8, 2)
+    expected_norm = float(torch.stack([p.main_grad.double().norm() for p in params.values()]).norm())
+    with_grad = [n for n in bf16 if params[n].main_grad.abs().sum() > 0]  # an expert without tokens has none
+    assert len(with_grad) > len(bf16) // 2, f"only {len(with_grad)} of {len(bf16)} bf16 params have a gradient"
+    ok, grad_norm, _ = opt.step()
+    assert ok, "optimizer step was skipped (inf/nan found in the grads)"
+    assert grad_norm is not None and abs(float(grad_norm) - expected_norm) <= 1e-4 * expected_norm, \
+        f"optimizer grad norm {grad_norm}, the grads' own norm {expected_norm}"
+    # Adam's first step moves each element with a gradient by ~lr, visible in bf16 for weights of |w| < ~0.25
+    unchanged = [n for n in with_grad if torch.equal(params[n], before[n])]
+    assert not unchanged, f"the step left {len(unchanged)} bf16 params with a gradient unchanged: {unchanged[:3]}"
+    print(f"scenario bf16_optimizer_step: grad norm {float(grad_norm):.4f}, {len(with_grad)}/{len(bf16)} bf16 params "
+          f"stepped")
+
+
 #: what `import megatron.core` used to load without using it (patch 0016): torch.compile's dynamo through jit_fuser,
 #: wandb through the inference context and the timers, tensorboard through the timers
 NOT_AT_IMPORT = ("torch._dynamo", "wandb", "tensorboard")
@@ -137,7 +170,7 @@ def light_import(cfg_dir: str, work: str) -> None:
 
 
 SCENARIOS = {f.__name__: f for f in (build_and_train, rng_seed, sp_norm, dist_ckpt_save, te_spec, recompute_selective,
-                                     light_import)}
+                                     bf16_optimizer_step, light_import)}
 
 if __name__ == "__main__":
     name, cfg_dir = sys.argv[1], sys.argv[2]

@@ -55,7 +55,12 @@ def test_killed_worker_dead_engine_and_truncated_checkpoint_end_passed(fault_cha
     assert f"GRPO {NAME} PASSED: {LONGER}/{LONGER} steps" in last, last
     rep = json.loads((c.logs / "report.json").read_text())
     assert all(x["ok"] for x in rep["checks"]) and any(x["name"] == "learning" for x in rep["checks"]), rep["checks"]
-    # nothing of the chain's runs left: one marker per main_ppo attempt (invocation 1's three, one each for 2 and 3)
-    # was recorded, and none has a process (another run on the machine, e.g. the other e2e lane, is not judged)
-    assert len(c.run_ids) == 5, c.run_ids
+    # nothing of the chain's runs left: one marker per main_ppo attempt (invocation 1's three, one each for 2 and 3,
+    # plus one per restart of invocations 2 and 3) was recorded, and none has a process (another run on the
+    # machine, e.g. the other e2e lane, is not judged). Invocations 2 and 3 lose nothing planted: a restart there
+    # may only be a failed start retried (issue 41: Ray timing out at start-up on a loaded box, as in stop 43's CI:
+    # 6 markers), never another loss
+    later = [ln for ln in (c.second + out).splitlines() if "RESTART " in ln]
+    assert all("a failed start" in ln for ln in later), later
+    assert len(c.run_ids) == 5 + len(later), (c.run_ids, later)
     assert all(not monitor.run_processes(r) for r in c.run_ids), c.run_ids

@@ -162,6 +162,7 @@ NEEDED = [
     ("build_and_train", "0008-cpu-device-placement.patch", "Torch not compiled with CUDA enabled"),
     ("build_and_train", "0009-cpu-moe-token-dispatch.patch", "torch.cuda.Stream requires CUDA support"),
     ("dist_ckpt_save", "0010-cpu-dist-checkpointing.patch", "Torch not compiled with CUDA enabled"),
+    ("bf16_optimizer_step", "0014-cpu-mixed-precision-optimizer.patch", "Torch not compiled with CUDA enabled"),
     ("recompute_selective", "0015-recompute-without-te-fp8-flag.patch", "FP8GlobalStateManager"),
     ("light_import", "0016-import-without-compiling.patch", "importing megatron-core loaded ['torch._dynamo', 'wandb', 'tensorboard']"),
 ]
