@@ -77,6 +77,10 @@ def compare(out: Path, ck: Path, ref_logs: Path, steps: int, soak_r: dict[int, f
     """Per-step rewards and final weights of the soak against the fault-free reference run."""
     from dsv3_rl.grpo import checks
 
+    from dsv3_rl.grpo.checks import _parallel1
+    from dsv3_rl.mcore import runtime
+
+    runtime.init_distributed(_parallel1())  # megatron's plain-tensor load wants a process group (one process)
     ref_r = rewards(ref_logs)
     common = sorted(set(ref_r) & set(soak_r))
     res = {"reference": str(ref_logs), "steps_compared": len(common),
@@ -126,6 +130,8 @@ def main() -> int:
     p.add_argument("--kills", type=int, default=4)
     p.add_argument("--max-restarts", type=int, default=None, help="default: --kills (0: the twin)")
     p.add_argument("--reference", type=Path, default=None, help="LOG_DIR of a fault-free run of tiny_cpu")
+    p.add_argument("--analyze-only", action="store_true",
+                   help="no run: redo soak.json / soak.png from OUT's events.json, run.log and the run's report")
     a = p.parse_args()
     if a.steps < 6 or a.kills < 0:
         print("soak: --steps must be >= 6 (the learning gate's two 3-step windows) and --kills >= 0", file=sys.stderr)
@@ -146,6 +152,11 @@ def main() -> int:
     env.update(WORK_DIR=str(work), CKPT_DIR=str(ck), LOG_DIR=str(logs))
     print(f"[soak] seed {a.seed}: " + ", ".join(f"{k} at step {s}" for s, k in plan) + f"; max_restarts {restarts}",
           flush=True)
+    if a.analyze_only:
+        events = json.loads((out / "events.json").read_text())
+        text = (out / "run.log").read_text() if (out / "run.log").is_file() else ""
+        rep = json.loads((logs / "report.json").read_text())
+        return analyze(a, out, plan, restarts, events, 0 if rep.get("ok") else 1, text, None)
     t0 = time.monotonic()
     proc, lines, wait_for, seen = _watched(["bash", str(LAUNCHER), "--preset", str(preset), "--quiet"], env)
     events: list[dict] = []
@@ -166,6 +177,7 @@ def main() -> int:
                 raise SystemExit(f"soak: no {kind} process in the run at step {step}")
             os.kill(pid, signal.SIGKILL)
             events.append({"kind": kind, "pid": pid, "step": step, "t_s": round(time.monotonic() - t0, 1)})
+            (out / "events.json").write_text(json.dumps(events, indent=1) + "\n")
             print(f"[soak] killed {kind} pid {pid} at step {step} ({events[-1]['t_s']:.0f}s)", flush=True)
             if i > restarts:
                 break  # no restart left: the run ends here
@@ -178,26 +190,37 @@ def main() -> int:
         proc.reader.join(timeout=10)
     text = "".join(lines)
     (out / "run.log").write_text(text)
+    return analyze(a, out, plan, restarts, events, proc.returncode, text, round(time.monotonic() - t0, 1))
+
+
+def analyze(a, out: Path, plan, restarts: int, events: list[dict], rc: int, text: str, seconds: float | None) -> int:
+    """soak.json, soak.png and the summary line of a finished soak in OUT; returns RC."""
+    logs, ck = out / "logs", out / "ckpt"
+    lines = text.splitlines()
     rep = json.loads((logs / "report.json").read_text()) if (logs / "report.json").is_file() else {}
-    restart_lines = [ln.strip() for ln in lines if "RESTART " in ln]
+    restart_lines = [ln.strip() for ln in lines if "RESTART " in ln] or \
+        [f"(from report.json) {r['cause']}" for r in (rep.get("run") or {}).get("restarts", [])]
     named = [any(f"pid {e['pid']}" in ln for ln in restart_lines) for e in events]
     soak_r = rewards(logs)
     res = {"date": time.strftime("%Y-%m-%d %H:%M"), "seed": a.seed, "steps": a.steps, "max_restarts": restarts,
-           "schedule": [{"step": s, "kind": k} for s, k in plan], "events": events, "rc": proc.returncode,
+           "schedule": [{"step": s, "kind": k} for s, k in plan], "events": events, "rc": rc,
            "restart_lines": restart_lines, "every_kill_named": all(named) if restarts else None,
            "first_kill_named_in_summary": bool(events) and f"pid {events[0]['pid']}" in (text.strip().splitlines() or [""])[-1],
            "restarts": (rep.get("run") or {}).get("restarts", []),
            "checks": {c["name"]: c["ok"] for c in rep.get("checks", [])},
-           "seconds_total": round(time.monotonic() - t0, 1), "rewards": soak_r,
-           "summary": text.strip().splitlines()[-1] if text.strip() else ""}
+           "seconds_total": seconds, "rewards": soak_r,
+           "summary": text.strip().splitlines()[-1] if text.strip() else (rep.get("run") or {}).get("summary", "")}
     if a.reference is not None:
         res["compare"] = compare(out, ck, a.reference.absolute(), a.steps, soak_r)
-    res["plot"] = str(plot(out, soak_r, rewards(a.reference) if a.reference else {}, events))
+    # the kills marked at the step the launcher found each loss in (report.json), which is the step being trained
+    lost_at = [r.get("step") for r in res["restarts"]]
+    marks = [{**e, "step": lost_at[i] if i < len(lost_at) and lost_at[i] else e["step"]} for i, e in enumerate(events)]
+    res["plot"] = str(plot(out, soak_r, rewards(a.reference) if a.reference else {}, marks))
     (out / "soak.json").write_text(json.dumps(res, indent=1) + "\n")
     lost = sum(r.get("time_lost_s", 0) for r in res["restarts"])
     print(f"[soak] {len(events)} kill(s), {len(res['restarts'])} restart(s), {lost:.0f}s lost, "
-          f"{res['seconds_total']:.0f}s in all; run: {res['summary']}")
-    return proc.returncode
+          f"{res['seconds_total'] or 0:.0f}s in all; run: {res['summary']}")
+    return rc
 
 
 if __name__ == "__main__":
