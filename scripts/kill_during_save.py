@@ -21,9 +21,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "unit"))
 
-from grpo_fault_chain import LAUNCHER, _run_id, _watched  # noqa: E402  (the fault chain's process helpers)
+from grpo_fault_chain import LAUNCHER, _run_id, _watched, watched_pid  # noqa: E402  (the fault chain's process helpers)
 
-from dsv3_rl.launch import ckpt, monitor  # noqa: E402
+from dsv3_rl.launch import ckpt  # noqa: E402
 
 
 def main() -> int:
@@ -49,12 +49,10 @@ def main() -> int:
     try:
         k = a.kill_at
         wait_for(lambda: (ck / f"global_step_{k}").is_dir() and ckpt.tracker_step(ck) == k - 1, limit=3000)
-        workers = monitor.run_processes_matching(_run_id(logs), r"^ray::WorkerDict")
-        # the worker, not a fork of it (a save child has its title; pids wrap at pid_max, so not the lowest pid)
-        victims = [q for q in workers if monitor.parent_pid(q) not in workers]
-        assert victims, f"no ray::WorkerDict in the run (forks of one: {workers})"
-        os.kill(victims[0], signal.SIGKILL)
-        killed, t_kill = victims[0], time.monotonic()
+        worker = watched_pid(_run_id(logs), "WorkerDict")  # the worker, not its save child (a fork with its title)
+        assert worker, "no ray::WorkerDict in the run"
+        os.kill(worker, signal.SIGKILL)
+        killed, t_kill = worker, time.monotonic()
         print(f"[kill_during_save] killed ray::WorkerDict pid {killed} while global_step_{k} was being written "
               f"(tracker {ckpt.tracker_step(ck)})", flush=True)
         wait_for(lambda: seen("RESTART 1/"), limit=900)

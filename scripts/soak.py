@@ -28,9 +28,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "unit"))
 
-from grpo_fault_chain import LAUNCHER, _run_id, _watched  # noqa: E402  (the fault chain's process helpers)
+from grpo_fault_chain import LAUNCHER, _run_id, _watched, watched_pid  # noqa: E402  (the fault chain's process helpers)
 
-from dsv3_rl.launch import ckpt, monitor  # noqa: E402
+from dsv3_rl.launch import ckpt  # noqa: E402
 
 KINDS = ("worker", "engine", "raylet", "save")
 SAVE_FREQ = 2
@@ -54,13 +54,8 @@ def schedule(seed: int, steps: int, kills: int, kinds: tuple[str, ...] = KINDS) 
     return sorted(out)
 
 
-def victim(kind: str, run_id: str | None) -> int | None:
-    if kind == "raylet":
-        return next((p for p, n in monitor.watched_processes(run_id or "").items() if n == "raylet"), None)
-    if kind == "engine":
-        return next(iter(monitor.run_processes_matching(run_id, r"EngineCore")), None)
-    workers = monitor.run_processes_matching(run_id, r"^ray::WorkerDict")
-    return next((q for q in workers if monitor.parent_pid(q) not in workers), None)  # not a save child
+#: the launcher's name (monitor.WATCHED) of the process each kind of kill takes; a "save" kill is a trainer worker's
+VICTIM = {"worker": "WorkerDict", "save": "WorkerDict", "engine": "EngineCore", "raylet": "raylet"}
 
 
 def rewards(log_dir: Path) -> dict[int, float]:
@@ -170,7 +165,7 @@ def main() -> int:
                 time.sleep(random.Random(a.seed * 100 + i).uniform(1.0, 4.0))
             pid, t_find = None, time.monotonic()
             while pid is None and time.monotonic() - t_find < 120:  # a resumed attempt may still be starting it
-                pid = victim(kind, _run_id(logs))
+                pid = watched_pid(_run_id(logs), VICTIM[kind])
                 if pid is None:
                     time.sleep(1.0)
             if pid is None:

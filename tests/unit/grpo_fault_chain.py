@@ -80,6 +80,12 @@ def _run_id(log_dir: Path) -> str | None:
         return None
 
 
+def watched_pid(run_id: str | None, name: str) -> int | None:
+    """One process of the run that the launcher watches as NAME or NAME... (``WorkerDict``, ``EngineCore``, ``raylet``:
+    monitor.watched_processes, which leaves out a worker's forked checkpoint-save child), or None."""
+    return next((p for p, n in monitor.watched_processes(run_id or "").items() if n.startswith(name)), None)
+
+
 def _kill9(pattern: str, log_dir: Path) -> int:
     """kill -9 the first process of the current attempt whose command line matches PATTERN."""
     victims = _pids(pattern, _run_id(log_dir))
@@ -170,11 +176,10 @@ def run_chain(tmp: Path, work: Path) -> Chain:
             wait_for(lambda: seen(f"step {SAVE}/{STEPS}"))
             engines = {p: len(_pids(p, _run_id(logs))) for p in ("EngineCore", "VLLM::Worker")}
             wait_for(lambda: (ck / f"global_step_{2 * SAVE}").is_dir() and ckpt.tracker_step(ck) == SAVE)
-            workers = _pids(r"^ray::WorkerDict", _run_id(logs))
-            victims = [q for q in workers if monitor.parent_pid(q) not in workers]  # the worker, not its save child
-            assert victims, f"no ray::WorkerDict in the run (forks of one: {workers})"
-            os.kill(victims[0], signal.SIGKILL)
-            events.append(f"killed ray::WorkerDict pid {victims[0]} while global_step_{2 * SAVE} was being written")
+            worker = watched_pid(_run_id(logs), "WorkerDict")  # the worker, not its save child
+            assert worker, f"no ray::WorkerDict in the run (its processes: {_pids('.', _run_id(logs))})"
+            os.kill(worker, signal.SIGKILL)
+            events.append(f"killed ray::WorkerDict pid {worker} while global_step_{2 * SAVE} was being written")
             wait_for(lambda: seen("RESTART 1/2"))
             mark = len(lines)
             wait_for(lambda: seen(f"step {2 * SAVE}/{STEPS}", mark))
