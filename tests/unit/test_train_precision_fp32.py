@@ -80,3 +80,17 @@ def test_the_cpu_demo_composes_with_the_cpus_dtype(cpuinfo, dtype, monkeypatch, 
                for n in launch.notes), launch.notes
     verl_errors = [f for f in launch.findings if f.level == "error" and f.check == "verl"]
     assert not verl_errors, verl_errors
+
+
+def test_a_preset_saying_the_dtype_twice_is_refused(tmp_path):
+    """The preset's verl tree would override train_precision silently (it merges last): refused, naming both; twin:
+    the same preset without verl's dtype key loads."""
+    from dsv3_rl.recipes.presets import REPO, PresetError, load_preset
+
+    base = REPO / "examples/deepseek_v3/presets/tiny_cpu.yaml"
+    p = tmp_path / "twice.yaml"
+    p.write_text(f"extends: {base}\nverl: {{actor_rollout_ref: {{actor: {{megatron: {{dtype: bfloat16}}}}}}}}\n")
+    with pytest.raises(PresetError, match="megatron.dtype='bfloat16' beside train_precision='auto'"):
+        load_preset(str(p))
+    p.write_text(f"extends: {base}\n")
+    assert load_preset(str(p)).train_precision == "auto"
