@@ -7,6 +7,9 @@
 #   bash scripts/gpu_grpo.sh install     # check + join + install them into $GPUBOX, then import vllm, ray, verl, TE
 #   bash scripts/gpu_grpo.sh tiny        # GPUs 0,1,2 side by side: tiny_1xH100 sound (12 steps), its flipped-advantage
 #                                        #   twin (6 steps, must FAIL), and a run whose EngineCore is killed after step 3
+#   bash scripts/gpu_grpo.sh tiny1       # one GPU: tiny_1xH100 sound (12 steps) and its flipped-advantage twin (6
+#                                        #   steps, must FAIL) side by side on GPU 0 (two Ray clusters on one host)
+#   bash scripts/gpu_grpo.sh proxy1      # one GPU: proxy_1xH100, whole GRPO steps (TE spec, CPU optimizer)
 #   bash scripts/gpu_grpo.sh proxy       # 4 GPUs: proxy_4xH100, whole GRPO steps (TE spec)
 #   bash scripts/gpu_grpo.sh twonode     # 4 GPUs as two Ray nodes of 2 GPUs (ray start --head / --address, node 0
 #                                        #   submits: the launcher's multi-node path, PAI-DLC variables)
@@ -24,7 +27,7 @@ RUNS=${RUNS:-/root/dsv3-runs}
 OUT=${OUT:-out/gpu-grpo}
 WAIT_S=${WAIT_S:-540}
 mkdir -p "$OUT" "$RUNS"
-mode=${1:?mode: receive | install | tiny | proxy | twonode | wait MODE [SECONDS]}
+mode=${1:?mode: receive | install | tiny | tiny1 | proxy1 | proxy | twonode | wait MODE [SECONDS]}
 
 case $mode in
   receive)
@@ -51,7 +54,7 @@ esac
 
 # the bundle on PYTHONPATH (its Transformer Engine too for the proxy runs: the held-out check's TE spec), backends/
 # check, NVLink multicast off
-if [ "$mode" = proxy ] || [ "$mode" = twonode ] || [ "${2:-}" = proxy ] || [ "${2:-}" = twonode ]; then export DSV3_GPU_TE=1; fi
+if [[ $mode == proxy* || $mode == twonode || ${2:-} == proxy* || ${2:-} == twonode ]]; then export DSV3_GPU_TE=1; fi
 source scripts/gpu_env.sh
 export PYTHON=python3
 
@@ -112,6 +115,15 @@ case $mode in
     ( cd "$RUNS/repo-tiny" && setsid python3 scripts/kill_at_step.py "$RUNS/tiny-kill/work/logs/dsv3_rl_demo/grpo_tiny_1xH100" 3 \
         > "$RUNS/tiny-kill/kill.log" 2>&1 < /dev/null & )
     wait_for tiny "$WAIT_S" ;;
+  tiny1)
+    snapshot tiny1
+    start tiny1 sound 0 tiny_1xH100
+    start tiny1 flip 0 tiny_1xH100 DSV3_PLANT_FAULT=flip_advantage_sign -- trainer.total_training_steps=6
+    wait_for tiny1 "$WAIT_S" ;;
+  proxy1)
+    snapshot proxy1
+    start proxy1 one 0 proxy_1xH100
+    wait_for proxy1 "$WAIT_S" ;;
   proxy)
     snapshot proxy
     start proxy one 0,1,2,3 proxy_4xH100
