@@ -9,7 +9,8 @@
 #                                        #   twin (6 steps, must FAIL), and a run whose EngineCore is killed after step 3
 #   bash scripts/gpu_grpo.sh tiny1       # one GPU: tiny_1xH100 sound (12 steps) and its flipped-advantage twin (6
 #                                        #   steps, must FAIL) side by side on GPU 0 (two Ray clusters on one host)
-#   bash scripts/gpu_grpo.sh proxy1      # one GPU: proxy_1xH100, whole GRPO steps (TE spec, CPU optimizer)
+#   bash scripts/gpu_grpo.sh proxy1      # one GPU: proxy_1xH100, whole GRPO steps (TE spec, CPU optimizer;
+#                                        #   PROXY1_STEPS steps, default 4)
 #   bash scripts/gpu_grpo.sh proxy       # 4 GPUs: proxy_4xH100, whole GRPO steps (TE spec)
 #   bash scripts/gpu_grpo.sh twonode     # 4 GPUs as two Ray nodes of 2 GPUs (ray start --head / --address, node 0
 #                                        #   submits: the launcher's multi-node path, PAI-DLC variables)
@@ -122,7 +123,7 @@ case $mode in
     wait_for tiny1 "$WAIT_S" ;;
   proxy1)
     snapshot proxy1
-    start proxy1 one 0 proxy_1xH100
+    start proxy1 one 0 proxy_1xH100 -- trainer.total_training_steps="${PROXY1_STEPS:-4}"
     wait_for proxy1 "$WAIT_S" ;;
   proxy)
     snapshot proxy

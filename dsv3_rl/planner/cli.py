@@ -9,6 +9,7 @@
                                    # training step (log-prob, update, export) of the best layouts + one that OOMs
     dsv3-plan validate RESULTS/bench_*.json --predicted predicted.json --doc docs/planner.md
                                    # bench/bench_grpo_update.py results vs the planner, table into the doc
+    dsv3-plan flops --bench-json RESULTS/bench_best1.json   # our FLOP count vs verl's and Megatron-LM's, per term
 
 Exit status: 0 = fits / something feasible, 1 = does not fit / nothing feasible, 2 = bad input.
 Options of :class:`~dsv3_rl.planner.spec.Options` are set with ``--set key=value`` (repeatable);
@@ -326,8 +327,10 @@ def main(argv=None) -> int:
                    "markdown file (docs/planner.md)")
     p.set_defaults(func=cmd_validate)
     from dsv3_rl.planner import async_overlap  # `dsv3-plan async`: what one-step-off buys (issue 27)
+    from dsv3_rl.planner import flops  # `dsv3-plan flops`: our FLOP count next to verl's and Megatron-LM's
 
     async_overlap.add_parser(sub)
+    flops.add_parser(sub)
     a = ap.parse_args(argv)
     with usage_errors():
         return a.func(a)

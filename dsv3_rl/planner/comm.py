@@ -76,29 +76,68 @@ def comm_volume(m, split, rank_mem, lay, grpo, opt, world: int, gpus_per_node: i
     return cv
 
 
-def train_flops_per_token(m, seq_mean: float) -> float:
-    """Forward FLOPs per token: 2 x activated params (no embedding lookup) + causal attention."""
-    from dsv3_rl.planner.model import count_params
+#: The terms of :func:`flop_terms`, in the order docs/planner.md ("The FLOP count") lists them.
+FLOP_TERMS = ("mla_down", "mla_up", "mla_rope", "mla_out", "attention", "dense_mlp", "router", "routed_experts",
+              "shared_experts", "lm_head", "embedding")
 
-    c = count_params(m)
-    dense = 2 * (c.activated - m.embedding_params)
-    attn = m.num_layers * 2 * m.num_heads * (m.qk_head_dim + m.v_head_dim) * seq_mean / 2
-    return dense + attn
+
+def flop_terms(m, seq_lens) -> dict[str, float]:
+    """Model FLOPs of one forward pass over sequences of lengths ``seq_lens`` (prompt + response, no padding), per
+    term (docs/planner.md, "The FLOP count"). A matmul ``[t, k] x [k, n]`` is ``2 t k n``; a token goes through:
+
+    * ``mla_down``: ``q_a_proj`` (h -> q_lora_rank) and the latent part of ``kv_a_proj_with_mqa`` (h -> kv_lora_rank);
+    * ``mla_up``: ``q_b_proj``'s no-rope columns (q_lora_rank -> heads x qk_nope) and ``kv_b_proj``
+      (kv_lora_rank -> heads x (qk_nope + v)); without q LoRA, ``q_proj``'s no-rope columns (h -> heads x qk_nope);
+    * ``mla_rope``: the rope columns, ``q_b_proj``'s heads x qk_rope and ``kv_a_proj_with_mqa``'s shared qk_rope;
+    * ``mla_out``: ``o_proj`` (heads x v -> h);
+    * ``attention``: per sequence of length s and layer, QK^T ``2 x heads x qk_head_dim x s^2`` and PV
+      ``2 x heads x v_head_dim x s^2``, halved for the causal mask (what a causal flash kernel computes, and
+      Megatron-LM's ``num_floating_point_operations``);
+    * ``dense_mlp``: SwiGLU ``3 x h x intermediate_size`` in the ``first_k_dense_replace`` dense layers;
+    * ``router``: the gate ``h x n_routed_experts`` of each MoE layer;
+    * ``routed_experts`` / ``shared_experts``: ``3 x h x moe_intermediate_size`` per each of the top-k routed
+      experts and per shared expert, each MoE layer;
+    * ``lm_head``: ``h x vocab`` (every position's logits; tied or not);
+    * ``embedding``: 0, a row lookup, no multiply (verl's ``FlopsCounter`` counts it as an ``h x vocab`` matmul).
+
+    Not counted (no matmul, or not this model's work): RMSNorm, RoPE, SwiGLU's product, softmax, the router's
+    sigmoid/top-k, the MTP module (the GRPO trainer does not run it). Training = 3 x this (forward + backward);
+    recompute is extra work, not model FLOPs."""
+    h, nh, layers, moe = m.hidden, m.num_heads, m.num_layers, m.num_moe_layers
+    q_in = m.q_lora_rank or h  # q_b_proj's input, or q_proj's without q LoRA
+    per_token = {
+        "mla_down": layers * ((h * m.q_lora_rank if m.q_lora_rank else 0) + h * m.kv_lora_rank),
+        "mla_up": layers * (q_in * nh * m.qk_nope_dim + m.kv_lora_rank * nh * (m.qk_nope_dim + m.v_head_dim)),
+        "mla_rope": layers * (q_in * nh * m.qk_rope_dim + h * m.qk_rope_dim),
+        "mla_out": layers * nh * m.v_head_dim * h,
+        "dense_mlp": (layers - moe) * 3 * h * m.dense_ffn,
+        "router": moe * h * m.num_experts,
+        "routed_experts": moe * m.topk * 3 * h * m.moe_ffn,
+        "shared_experts": moe * 3 * h * m.shared_ffn,
+        "lm_head": h * m.vocab,
+        "embedding": 0,
+    }
+    tokens = float(sum(seq_lens))
+    terms = {k: 2.0 * v * tokens for k, v in per_token.items()}
+    square = float(sum(s * s for s in seq_lens))
+    terms["attention"] = 2.0 * layers * nh * (m.qk_head_dim + m.v_head_dim) * square / 2
+    return {k: terms[k] for k in FLOP_TERMS}
 
 
 def batch_flops(m, seq_lens) -> float:
-    """Model FLOPs of one forward pass over a batch of sequences (lengths ``seq_lens``, prompt + response):
-    per token 2 x (activated parameters - the input embedding, a lookup) for the matmuls, and per sequence of
-    length s the causal attention, ``2 * heads * (qk_head_dim + v_head_dim) * s^2 / 2`` per layer (QK^T and PV,
-    half the square). Training = 3 x this (forward + backward); recompute is extra work, not model FLOPs. The
-    one FLOP count of the planner's phase prediction and of ``bench/bench_grpo_update.py``'s MFU
-    (docs/planner.md)."""
-    from dsv3_rl.planner.model import count_params
+    """Model FLOPs of one forward pass over a batch of sequences (lengths ``seq_lens``, prompt + response): the sum
+    of :func:`flop_terms` (every weight matmul a token goes through, lm_head included, the embedding lookup not;
+    causal attention ``2 x heads x (qk_head_dim + v_head_dim) x s^2 / 2`` per layer and sequence). Training = 3 x
+    this. The one FLOP count of the planner (phases, ranking) and of ``bench/bench_grpo_update.py``'s MFU."""
+    return float(sum(flop_terms(m, seq_lens).values()))
 
-    c = count_params(m)
-    per_token = 2 * (c.activated - m.embedding_params)
-    attn = m.num_layers * m.num_heads * (m.qk_head_dim + m.v_head_dim)
-    return float(sum(per_token * s + attn * s * s for s in seq_lens))
+
+def train_flops_per_token(m, seq_mean: float) -> float:
+    """Forward FLOPs per token of a sequence of ``seq_mean`` tokens (:func:`flop_terms`: the weight matmuls + the
+    causal attention, whose per-token cost grows with the sequence)."""
+    f = flop_terms(m, [1])
+    attn = f.pop("attention")
+    return sum(f.values()) + attn * seq_mean
 
 
 def estimate_train_seconds(m, lay, grpo, opt, cluster, world: int, bubble: float, cv: CommVolume,

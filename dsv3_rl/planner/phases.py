@@ -6,9 +6,10 @@ units the bench reports, so that ``dsv3-plan validate`` can put one next to the 
 
 The model (assumptions; docs/planner.md, "Measured against the planner"):
 
-* model FLOPs (:func:`dsv3_rl.planner.comm.batch_flops`): per token 2 x (activated parameters - the input
-  embedding) forward, plus causal attention per sequence, ``2 * heads * (qk_dim + v_dim) * s^2 / 2`` per layer;
-  training = 3 x forward (recompute is extra work, not model FLOPs);
+* model FLOPs (:func:`dsv3_rl.planner.comm.batch_flops`, per term :func:`~dsv3_rl.planner.comm.flop_terms`): per
+  token 2 x the weights it multiplies (no input embedding, a lookup; no norm weights) forward, plus causal attention
+  per sequence, ``2 * heads * (qk_dim + v_dim) * s^2 / 2`` per layer; training = 3 x forward (recompute is extra
+  work, not model FLOPs);
 * micro-batches as verl builds them (:func:`micro_batches`): with ``Options.remove_padding=False`` (BSHD, the local
   spec) every micro-batch is padded to the longest sequence of the DP rank's mini-batch, and the model computes and
   stores the padded tokens (the largest padded micro-batch sets the activations; the padded FLOPs the time; MFU
