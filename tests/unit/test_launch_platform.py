@@ -4,6 +4,7 @@ pipeline stage skipping. Fast: no verl, no Ray."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -259,3 +260,40 @@ def test_execute_refuses_a_job_of_the_wrong_size(monkeypatch, tmp_path, capsys):
                                                  "KUBERNETES_CONTAINER_RESOURCE_GPU": "4"})
     assert rc == 2 and not calls
     assert "this node has 4 GPUs" in capsys.readouterr().err
+
+
+RAY_START_WAIT = "RAY_raylet_start_wait_time_s"
+
+
+def _ray_wait_of_env_files(env_dir: Path) -> dict[str, str | None]:
+    from dsv3_rl.launch.run import env_from_file
+
+    base = {k: v for k, v in os.environ.items() if k != RAY_START_WAIT}
+    return {n: env_from_file(env_dir / f"{n}.sh", base).get(RAY_START_WAIT) for n in ("cpu", "h100", "h20")}
+
+
+def test_every_env_preset_gives_ray_120_s_to_register_its_raylet():
+    """Every hardware env file gives the driver 120 s (Ray's default: 30) for its raylet to register: the raylet waits
+    for its two agents' port files first, which on a loaded 2-core box took > 30 s about once per CI run (docs/ci.md
+    "2026-12-07"); a value the job sets wins. The name is one Ray's core reads: it is compiled into _raylet.so."""
+    import ray
+
+    assert _ray_wait_of_env_files(REPO / "examples" / "deepseek_v3" / "env") == {"cpu": "120", "h100": "120", "h20": "120"}
+    out = subprocess.run(["bash", "-c", f'{RAY_START_WAIT}=600; set -a; source "$1"; echo "${RAY_START_WAIT}"', "bash",
+                          str(REPO / "examples" / "deepseek_v3" / "env" / "cpu.sh")], capture_output=True, text=True,
+                         check=True).stdout.strip()
+    assert out == "600", out
+    so = next(Path(ray.__file__).parent.glob("_raylet*.so"))
+    assert b"raylet_start_wait_time_s" in so.read_bytes()
+
+
+def test_planted_fault_env_files_without_the_ray_wait(tmp_path):
+    """Twin: the env files with the line removed from common.sh leave Ray's 30 s: the check above fails."""
+    src = REPO / "examples" / "deepseek_v3" / "env"
+    for f in src.glob("*.sh"):
+        text = f.read_text()
+        if f.name == "common.sh":
+            assert RAY_START_WAIT in text
+            text = "\n".join(ln for ln in text.splitlines() if RAY_START_WAIT not in ln) + "\n"
+        (tmp_path / f.name).write_text(text)
+    assert _ray_wait_of_env_files(tmp_path) == {"cpu": None, "h100": None, "h20": None}
