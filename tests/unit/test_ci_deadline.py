@@ -19,14 +19,18 @@ REPO = Path(__file__).resolve().parents[2]
 FAKE_MAKE = """#!/usr/bin/env bash
 # stand-in for make: the stage named in SLOW_STAGE sleeps SLOW_S seconds, every other one succeeds at once
 [ "$1" = "$SLOW_STAGE" ] && sleep "$SLOW_S"
+[ "$1" = "${FAIL_STAGE:-}" ] && exit 3
 exit 0
 """
 
 
-def _ci_copy(tmp_path: Path, unguard_first_stage: bool = False) -> Path:
+def _ci_copy(tmp_path: Path, unguard_first_stage: bool = False, fatal_backends: bool = False) -> Path:
     repo = tmp_path / "repo"
     (repo / ".ci").mkdir(parents=True)
     text = (REPO / ".ci" / "run").read_text()
+    if fatal_backends:
+        assert "guard make test-backends || backends_rc=$?" in text
+        text = text.replace("guard make test-backends || backends_rc=$?", "guard make test-backends")
     if unguard_first_stage:
         assert "guard make setup" in text
         text = text.replace("guard make setup", "make setup")
@@ -39,9 +43,9 @@ def _ci_copy(tmp_path: Path, unguard_first_stage: bool = False) -> Path:
     return repo
 
 
-def _run(repo: Path, deadline_s: int, slow_stage: str, slow_s: int) -> tuple[int, float, str]:
+def _run(repo: Path, deadline_s: int, slow_stage: str, slow_s: int, fail_stage: str = "") -> tuple[int, float, str]:
     env = dict(os.environ, PATH=f"{repo.parent / 'bin'}:{os.environ['PATH']}", CI_DEADLINE_S=str(deadline_s),
-               SLOW_STAGE=slow_stage, SLOW_S=str(slow_s))
+               SLOW_STAGE=slow_stage, SLOW_S=str(slow_s), FAIL_STAGE=fail_stage)
     t0 = time.monotonic()
     r = subprocess.run(["bash", str(repo / ".ci" / "run")], env=env, capture_output=True, text=True, timeout=120)
     return r.returncode, time.monotonic() - t0, r.stdout + r.stderr
@@ -69,6 +73,26 @@ def test_a_run_within_the_deadline_passes(tmp_path):
     rc, wall, out = _run(_ci_copy(tmp_path), deadline_s=600, slow_stage="test", slow_s=1)
     assert rc == 0 and "deadline" not in out.split("stage times")[1], out
     assert all(f"make {s}" in out for s in ("setup", "demo", "test", "test-backends")), out
+
+
+def test_failed_backend_tests_still_run_make_test_and_fail_the_run(tmp_path):
+    """make test-backends runs before make test (a run stopped at the deadline loses the e2e lanes' end, not the
+    backends' tests); its failure does not stop make test, and the run fails at the end naming it."""
+    _assert_backends_failure_ran_make_test(*_run(_ci_copy(tmp_path), 600, "none", 0, fail_stage="test-backends"))
+
+
+def _assert_backends_failure_ran_make_test(rc: int, wall: float, out: str) -> None:
+    assert rc == 3, out
+    assert "make test-backends (FAILED, exit 3)" in out and "=== [ci] make test (" in out, out
+    assert out.index("=== [ci] make test-backends (") < out.index("=== [ci] make test ("), out
+    assert "make test-backends failed (exit 3)" in out, out
+
+
+def test_planted_fault_fatal_backend_tests_skip_make_test(tmp_path):
+    """Twin: a test-backends failure that ends the script (set -e) leaves make test unrun: the check above fails."""
+    r = _run(_ci_copy(tmp_path, fatal_backends=True), 600, "none", 0, fail_stage="test-backends")
+    with pytest.raises(AssertionError):
+        _assert_backends_failure_ran_make_test(*r)
 
 
 def test_planted_fault_unguarded_stage_runs_past_the_deadline(tmp_path):
