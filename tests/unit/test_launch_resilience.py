@@ -353,6 +353,13 @@ FAKE_PPO = textwrap.dedent("""
               "Exception: The current node timed out during startup. This could happen because some of the Ray "
               "processes failed to startup.", flush=True)
         sys.exit(1)
+    if mode == "raylet" and launches == 1:  # the node's raylet (its title ends in /raylet) dies: before any step
+        import subprocess                   # (fail_at 0: it gave up starting, as under load) or during step fail_at
+        raylet = subprocess.Popen(["bash", "-c", "exec -a /fake/ray/core/src/ray/raylet/raylet sleep 600"])
+        if fail_at == 0:
+            time.sleep(2.5)  # seen alive for monitor.VANISH_MIN_AGE_S (patched to 1 s)
+            raylet.kill()
+            time.sleep(600)  # ray.init waits on: only the launcher ends this
     if mode in ("vanish", "hang") and launches == 1:  # a trainer worker as Ray names it (ray::WorkerDict)
         import subprocess
         worker = subprocess.Popen(["bash", "-c", "exec -a ray::WorkerDict sleep 600"])
@@ -376,6 +383,9 @@ FAKE_PPO = textwrap.dedent("""
                     time.sleep(2.5)  # the worker has lived for the whole run (monitor.VANISH_MIN_AGE_S)
                     worker.kill()
                 time.sleep(600)  # Ray never reports it: no log line, no exit
+            if mode == "raylet":
+                raylet.kill()
+                time.sleep(600)
             if mode == "engine":
                 print("(AsyncvLLMServer pid=777) vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered "
                       "an issue", flush=True)
@@ -611,6 +621,37 @@ def test_a_failed_ray_start_is_retried_and_counted(tmp_path, capsys, monkeypatch
     rep = json.loads((tmp_path / "logs/report.json").read_text())
     assert "timed out during startup" in rep["run"]["restarts"][0]["cause"]
     assert "GRPO fake PASSED: 6/6 steps" in out.strip().splitlines()[-1]
+
+
+def _raylet_lost_run(tmp_path, capsys, monkeypatch, fail_at: str) -> str:
+    monkeypatch.setattr(monitor, "LOST_GRACE_S", 2.0)
+    monkeypatch.setattr(monitor, "VANISH_MIN_AGE_S", 1.0)
+    monkeypatch.setattr(train, "START_RETRY_WAIT_S", 0.0)
+    launch = _fake_launch(tmp_path, max_restarts=1)
+    assert train.run_single_node(launch, _env(tmp_path, FAKE_FAIL_AT=fail_at, FAKE_MODE="raylet")) == 0
+    return "\n".join(ln for ln in capsys.readouterr().out.splitlines() if "RESTART" in ln or "retrying" in ln)
+
+
+@pytest.mark.slow  # ~15 s on 2 cores
+@pytest.mark.timeout(240)
+def test_a_raylet_lost_before_the_attempts_first_step_is_a_failed_start(tmp_path, capsys, monkeypatch):
+    """The raylet gives up starting on a loaded machine (its agents' port files > 15 s; docs/ci.md "2026-12-07"): the
+    watch sees it vanish before ray.init says anything. That is a failed start, retried as one (the old cluster
+    waited for), and the RESTART line still names the process (the 2026-12-07 clean-clone CI failed the fault chain
+    on "the node's Ray (raylet, pid 3849) lost during step 7" in a resumed attempt's start-up)."""
+    out = _raylet_lost_run(tmp_path, capsys, monkeypatch, fail_at="0")
+    assert re.search(r"RESTART 1/1: a failed start of Ray or vLLM \(the node's Ray \(raylet, pid \d+\) lost\) "
+                     r"before step 1", out), out
+    assert "retrying the start with a fresh Ray cluster" in out, out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_twin_a_raylet_lost_after_a_step_is_a_loss_during_that_step(tmp_path, capsys, monkeypatch):
+    """Twin: the same raylet lost during step 3 (steps 1-2 trained in this attempt) is a loss, not a failed start."""
+    out = _raylet_lost_run(tmp_path, capsys, monkeypatch, fail_at="3")
+    assert re.search(r"RESTART 1/1: the node's Ray \(raylet, pid \d+\) lost during step 3", out), out
+    assert "a failed start" not in out and "retrying the start" not in out, out
 
 
 @pytest.mark.timeout(240)
