@@ -46,6 +46,9 @@ RUN_ID_ENV = "DSV3_RUN_ID"
 PSS_EVERY_S = 10.0
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
+NODE_RAY = "the node's Ray"
+"""how a lost raylet or GCS is named (LOST_PATTERNS, :func:`vanished_name`); the launcher treats such a loss before an
+attempt trains a step as a failed start"""
 #: log lines that say a process of the run was lost (not a bug of the run itself): (pattern, which process)
 LOST_PATTERNS = (
     (re.compile(r"EngineDeadError|Engine core proc \S+ died|EngineCore\S* (?:died|encountered a fatal error)"),
@@ -56,7 +59,7 @@ LOST_PATTERNS = (
     (re.compile(r"The actor is dead because its worker process has died|ActorDiedError|ActorUnavailableError|"
                 r"RayActorError|Worker exit type: SYSTEM_ERROR"), "a Ray worker"),
     (re.compile(r"GCS has been down|Failed to connect to GCS|raylet (?:has )?died|node .* has been marked dead", re.I),
-     "the node's Ray (GCS/raylet)"),
+     f"{NODE_RAY} (GCS/raylet)"),
 )
 #: lines of a run that failed while Ray or vLLM started (a loaded machine right after a teardown): a lost start
 START_FAILED = re.compile(r"The current node timed out during startup|Failed to (?:start|connect to) the GCS|"
@@ -219,7 +222,7 @@ def vanished_name(name: str, pid: int) -> str:
     if name.startswith("EngineCore"):
         return f"the vLLM engine ({name}, pid {pid})"
     if name in ("raylet", "gcs_server"):
-        return f"the node's Ray ({name}, pid {pid})"
+        return f"{NODE_RAY} ({name}, pid {pid})"
     return f"a Ray worker ({name}, pid {pid})"
 
 

@@ -119,9 +119,6 @@ def _cause_key(lost: str, step: int) -> tuple[str, int]:
     return re.sub(r"\d+s\b", "Ns", re.sub(r"pid \d+", "pid", lost)), step
 
 
-#: how the watch names a lost raylet or GCS (monitor.vanished_name)
-RAY_OWN = "the node's Ray ("
-
 START_RETRY_WAIT_S = 10.0
 """seconds a retry after a failed start waits once the old cluster's processes are gone (a loaded machine)"""
 
@@ -254,7 +251,7 @@ def _run_attempts(launch, env: dict[str, str], lock) -> int:
         if res.reason == "lost":
             last = max([k for k in res.step_at_s if k > 0], default=resume or 0)
             lost = res.lost
-            if lost.startswith(RAY_OWN) and last <= (resume or 0):
+            if lost.startswith(monitor.NODE_RAY) and last <= (resume or 0):
                 # the node's own Ray gone before this attempt trained a step: its raylet gave up starting (it aborts
                 # when its agents' port files take > 15 s, a loaded machine; docs/ci.md "2026-12-07"): a failed start,
                 # retried like one, naming the process (the 2026-12-07 clean-clone CI: "raylet lost during step 7")
