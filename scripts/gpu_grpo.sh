@@ -11,6 +11,8 @@
 #                                        #   steps, must FAIL) side by side on GPU 0 (two Ray clusters on one host)
 #   bash scripts/gpu_grpo.sh proxy1      # one GPU: proxy_1xH100, whole GRPO steps (TE spec, CPU optimizer;
 #                                        #   PROXY1_STEPS steps, default 4)
+#   bash scripts/gpu_grpo.sh proxy1fp8   # one GPU: proxy_1xH100_fp8 (FP8 rollout weights) on proxy1's model, mcore
+#                                        #   checkpoint and data (run proxy1 first): the same prompts, BF16 vs FP8
 #   bash scripts/gpu_grpo.sh proxy       # 4 GPUs: proxy_4xH100, whole GRPO steps (TE spec)
 #   bash scripts/gpu_grpo.sh twonode     # 4 GPUs as two Ray nodes of 2 GPUs (ray start --head / --address, node 0
 #                                        #   submits: the launcher's multi-node path, PAI-DLC variables)
@@ -28,7 +30,7 @@ RUNS=${RUNS:-/root/dsv3-runs}
 OUT=${OUT:-out/gpu-grpo}
 WAIT_S=${WAIT_S:-540}
 mkdir -p "$OUT" "$RUNS"
-mode=${1:?mode: receive | install | tiny | tiny1 | proxy1 | proxy | twonode | wait MODE [SECONDS]}
+mode=${1:?mode: receive | install | tiny | tiny1 | proxy1 | proxy1fp8 | proxy | twonode | wait MODE [SECONDS]}
 
 case $mode in
   receive)
@@ -125,6 +127,12 @@ case $mode in
     snapshot proxy1
     start proxy1 one 0 proxy_1xH100 -- trainer.total_training_steps="${PROXY1_STEPS:-4}"
     wait_for proxy1 "$WAIT_S" ;;
+  proxy1fp8)
+    snapshot proxy1fp8
+    w="$RUNS/proxy1-one/work"
+    start proxy1fp8 one 0 proxy_1xH100_fp8 MODEL_PATH="$w/models/dsv3-proxy" MCORE_PATH="$w/models/dsv3-proxy-mcore" \
+        DATA_DIR="$w/data/math_lighteval" -- trainer.total_training_steps="${PROXY1_STEPS:-4}"
+    wait_for proxy1fp8 "$WAIT_S" ;;
   proxy)
     snapshot proxy
     start proxy one 0,1,2,3 proxy_4xH100
