@@ -20,12 +20,21 @@ tensor all change some entry; this is an integrity check against bugs, not a cry
     for name, t in manifest.tap(trainer_stream):   # trainer side: record while sending
         send(name, t)
     manifest.verify(received_pairs)               # receiver side: raises ManifestMismatch naming the tensor
+
+Under FP8 rollout (``rollout.quantization=fp8``) the trainer still sends BF16 and vLLM's worker quantizes each
+received weight into ``float8_e4m3fn`` plus ``<name>_scale_inv`` before its loader takes them (verl's
+``load_quanted_weights``). :class:`LoaderFeed` covers those tensors: verl's receiver opens one per sync, the
+quantizer's output passes through :func:`tap_loader_feed`, which digests every tensor the worker made (not a
+received one) as it is handed to the loader, and the receiver digests the same tensors again after the bucket's
+load; a difference names the tensor. The BF16 tensors they were made from are checked against the trainer's
+manifest, so the chain runs trainer -> received BF16 -> FP8 handed to the loader -> FP8 after the load.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -108,20 +117,24 @@ class Entry:
         return cls(str(t.dtype).removeprefix("torch."), tuple(t.shape), digest(t))
 
 
-def _compare(name: str, want: Entry, got: Entry) -> None:
+def _compare(name: str, want: Entry, got: Entry, differs: str = "differs from what the trainer sent",
+             ref: str = "sent") -> None:
     if got != want:
-        what = [f"{k} {getattr(got, k)} != sent {getattr(want, k)}" for k in ("dtype", "shape", "digest")
+        what = [f"{k} {getattr(got, k)} != {ref} {getattr(want, k)}" for k in ("dtype", "shape", "digest")
                 if getattr(got, k) != getattr(want, k)]
-        raise ManifestMismatch(f"tensor {name!r} differs from what the trainer sent: {'; '.join(what)}")
+        raise ManifestMismatch(f"tensor {name!r} {differs}: {'; '.join(what)}")
 
 
 class Manifest:
     """Ordered ``name -> Entry`` of one export. ROLE says what :meth:`add` records, for its messages:
-    ``"exported"`` (the trainer's side) or ``"received"`` (the receiver's own record)."""
+    ``"exported"`` (the trainer's side), ``"received"`` (the receiver's own record), ``"handed to the loader"`` /
+    ``"loaded"`` (a :class:`LoaderFeed`'s two records)."""
+
+    ROLES = ("exported", "received", "handed to the loader", "loaded")
 
     def __init__(self, entries: dict[str, Entry] | None = None, *, role: str = "exported"):
-        if role not in ("exported", "received"):
-            raise ValueError(f"Manifest role {role!r}; allowed: exported, received")
+        if role not in self.ROLES:
+            raise ValueError(f"Manifest role {role!r}; allowed: {', '.join(self.ROLES)}")
         self.entries: dict[str, Entry] = dict(entries or {})
         self.role = role
 
@@ -190,3 +203,68 @@ class Manifest:
 
     def __len__(self) -> int:
         return len(self.entries)
+
+
+_FEED: ContextVar[LoaderFeed | None] = ContextVar("dsv3_refit_loader_feed", default=None)
+
+
+class LoaderFeed:
+    """Receiver side, one sync: the tensors the rollout worker makes from the received ones for its loader (FP8
+    rollout: each quantized weight and its ``_scale_inv``), digested as they are handed to the loader
+    (:meth:`tap`) and again after the bucket's load (:meth:`after_load`); :meth:`verify` names the first that
+    changed. Per loader SCOPE (the model, the MTP drafter), since verl quantizes the same weights once for each.
+    Opened by verl's receiver for the thread it runs in (:meth:`start` / :meth:`stop`); the tensors of the bucket
+    being loaded are kept until :meth:`after_load` (at most the FP8 copy of one bucket and its scales)."""
+
+    def __init__(self):
+        self.handed: dict[str, Manifest] = {}
+        self.loaded: dict[str, Manifest] = {}
+        self._pending: list[tuple[str, str, torch.Tensor]] = []
+        self._token = None
+
+    @classmethod
+    def start(cls) -> LoaderFeed:
+        feed = cls()
+        feed._token = _FEED.set(feed)
+        return feed
+
+    def stop(self) -> None:
+        if self._token is not None:
+            _FEED.reset(self._token)
+            self._token = None
+
+    def tap(self, stream: Iterable[tuple[str, torch.Tensor]], received: Iterable[tuple[str, torch.Tensor]],
+            scope: str = "model") -> Iterator[tuple[str, torch.Tensor]]:
+        """Pass STREAM (what the loader takes) through, recording each tensor that is not one of RECEIVED."""
+        got = {id(t) for _n, t in received}
+        handed = self.handed.setdefault(scope, Manifest(role="handed to the loader"))
+        for name, t in stream:
+            if id(t) not in got:
+                handed.add(name, t)
+                self._pending.append((scope, name, t))
+            yield name, t
+
+    def after_load(self) -> None:
+        """The bucket's load is done: digest what was handed to the loader again, and let it go."""
+        for scope, name, t in self._pending:
+            self.loaded.setdefault(scope, Manifest(role="loaded")).add(name, t)
+        self._pending.clear()
+
+    def verify(self) -> int:
+        """Every tensor handed to a loader is unchanged after the load. Returns the count."""
+        self.after_load()
+        for scope, handed in self.handed.items():
+            loaded = self.loaded.get(scope, Manifest(role="loaded"))
+            whose = "vLLM's loader" if scope == "model" else f"the {scope}'s loader"
+            for name, want in handed.entries.items():
+                _compare(name, want, loaded.entries[name], differs=f"differs after the load from what the rollout "
+                         f"worker's quantizer handed {whose}", ref="handed")
+        return sum(len(m) for m in self.handed.values())
+
+
+def tap_loader_feed(stream: Iterable[tuple[str, torch.Tensor]], received: Iterable[tuple[str, torch.Tensor]],
+                    scope: str = "model") -> Iterable[tuple[str, torch.Tensor]]:
+    """The hook in verl's FP8 load (patch 0031): STREAM through the receiver's open :class:`LoaderFeed`, or
+    unchanged when no sync with the check on is receiving in this thread."""
+    feed = _FEED.get()
+    return stream if feed is None else feed.tap(stream, received, scope)

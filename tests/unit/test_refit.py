@@ -16,6 +16,7 @@ import torch
 
 from dsv3_rl.refit.buckets import fill_buckets
 from dsv3_rl.refit.manifest import Manifest, ManifestMismatch, digest
+from test_refit_fp8 import one_rank  # noqa: F401 (fixture: the one-rank gloo group verl's FP8 quantizer needs)
 
 REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "bench" / "bench_refit.py"
@@ -429,7 +430,7 @@ def _sync(stream, bucket_mb: int, on_bucket) -> BaseException | None:
         except BaseException as e:  # noqa: BLE001 (whatever the receiver thread raises is the test's result)
             error.append(e)
 
-    t = threading.Thread(target=receive)
+    t = threading.Thread(target=receive, daemon=True)  # a sender that fails leaves it waiting: not the process
     t.start()
     asyncio.run(sender.async_send_weights(iter(stream)))
     t.join(timeout=120)
@@ -480,6 +481,156 @@ def test_weight_sync_manifest_catches_stale_bucket(verl_cpu, monkeypatch):
     assert repr(kept[1][0][0]) in str(err)
     monkeypatch.setenv("DSV3_REFIT_MANIFEST", "0")
     assert _sync(new, 1, stale) is None
+
+
+# FP8 rollout (rollout.quantization=fp8): the trainer sends BF16, vLLM's worker quantizes each received weight into
+# float8_e4m3fn + <name>_scale_inv (verl's load_quanted_weights) and hands those to its loader. The checksum covers
+# them too (patch 0031: dsv3_rl.refit.manifest.LoaderFeed).
+
+
+def _fp8_engine(fp8_names, stream, fault=None):
+    """A stand-in for vLLM's model with FP8 rollout: each weight DeepSeek's FP8 release keeps in FP8 (FP8_NAMES) is
+    a vLLM LinearBase with an FP8 ``weight`` and an FP32 ``weight_scale_inv`` (what verl's quantizer selects by),
+    the rest plain parameters. ``load_weights`` takes the stream verl hands it, applies FAULT(name, tensor) to each
+    tensor first (a loader that alters what it is handed) and copies it into the parameter."""
+    from vllm.model_executor.layers.linear import LinearBase
+
+    from dsv3_rl.refit.fp8_layout import scale_shape
+
+    class Fp8Linear(LinearBase):
+        def __init__(self, shape):
+            torch.nn.Module.__init__(self)
+            self.weight = torch.nn.Parameter(torch.zeros(shape, dtype=torch.float8_e4m3fn), requires_grad=False)
+            self.weight_scale_inv = torch.nn.Parameter(torch.zeros(scale_shape(shape)), requires_grad=False)
+
+    class Engine(torch.nn.Module):
+        packed_modules_mapping: dict = {}
+
+        def load_weights(self, weights):
+            params, got = dict(self.named_parameters()), []
+            for name, t in weights:
+                if fault is not None:
+                    fault(name, t)
+                params[name].copy_(t)
+                got.append((name, t.clone()))
+            self.handed.extend(got)
+            return {n for n, _ in got}
+
+    root = Engine()
+    root.handed = []
+    for name, t in stream:
+        *path, leaf = name.split(".")
+        m = root
+        for i, part in enumerate(path):
+            if part not in m._modules:
+                last = i == len(path) - 1
+                m.add_module(part, Fp8Linear(t.shape) if last and name in fp8_names else torch.nn.Module())
+            m = m._modules[part]
+        if name not in fp8_names:
+            m.register_parameter(leaf, torch.nn.Parameter(torch.zeros_like(t), requires_grad=False))
+    return root
+
+
+def _fp8_sync(stream, fault=None, drafter_fault=None):
+    """verl's sender -> receiver (_sync) with verl's vLLM worker extension as the loader (_update_weights, the FP8
+    branch: load_quanted_weights for the model and for an MTP drafter). Returns (error, model, drafter)."""
+    from types import SimpleNamespace
+
+    from test_refit_fp8 import CFG
+    from vllm.model_executor.layers.quantization.fp8 import Fp8Config
+
+    from dsv3_rl.refit.fp8_layout import reference_layout
+    from verl.workers.rollout.vllm_rollout.utils import vLLMColocateWorkerExtension
+
+    fp8_names = {n for n, (d, _s) in reference_layout(CFG).items() if d == "F8_E4M3"}
+    model, drafter = _fp8_engine(fp8_names, stream, fault), _fp8_engine(fp8_names, stream, drafter_fault)
+    worker = object.__new__(vLLMColocateWorkerExtension)  # the extension's methods, without a vLLM worker
+    worker.model_runner = SimpleNamespace(model=model, drafter=SimpleNamespace(model=drafter), vllm_config=SimpleNamespace(
+        quant_config=Fp8Config(is_checkpoint_fp8_serialized=True, activation_scheme="dynamic",
+                               weight_block_size=[128, 128]),
+        model_config=SimpleNamespace(dtype=torch.bfloat16),
+        speculative_config=SimpleNamespace(method="mtp", draft_model_config=None)))
+    # 2 MiB buckets: the embedding (1.3 MB) fits, the 12 MB stream takes several
+    err = _sync(stream, 2, lambda _i, ws: worker._update_weights(ws, peft_config=None, base_sync_done=False))
+    return err, model, drafter
+
+
+FP8_SCALE = "model.layers.1.self_attn.kv_b_proj.weight_scale_inv"
+FP8_WEIGHT = "model.layers.1.mlp.experts.3.down_proj.weight"
+
+
+def _double_last_scale_block(name, t):
+    if name == FP8_SCALE:
+        t[-1, -1] *= 2
+
+
+@pytest.mark.usefixtures("verl_cpu", "one_rank")
+def test_weight_sync_manifest_fp8_clean_passes():
+    """Clean FP8 sync: passes; what vLLM's loader took has DeepSeek's FP8 release layout and dequantizes (our FP8
+    cast) to within FP8 rounding of the BF16 the trainer sent; the model and the MTP drafter got the same."""
+    from test_refit_fp8 import CFG, _bf16_export
+
+    from dsv3_rl.refit.fp8_layout import dequant_errors, layout_differences, reference_layout, stream_layout
+
+    stream = _bf16_export()
+    assert len(stream) > 20
+    err, model, drafter = _fp8_sync(stream)
+    assert err is None, err
+    assert layout_differences(reference_layout(CFG), stream_layout(model.handed)) == []
+    assert dequant_errors(model.handed, dict(stream), limit=0) == []
+    loaded = dict(model.named_parameters())
+    assert torch.equal(loaded[FP8_SCALE], dict(model.handed)[FP8_SCALE])
+    assert all(torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                           b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+               for (_n, a), (_m, b) in zip(model.handed, drafter.handed, strict=True))
+
+
+@pytest.mark.usefixtures("verl_cpu", "one_rank")
+def test_weight_sync_manifest_fp8_catches_altered_scale_block():
+    """Planted fault: the loader alters one 128 x 128 block's scale of the FP8 weight it is handed (so the engine
+    holds it). With the tap where it was before (the BF16 the worker received, before its quantizer) it goes
+    through unnoticed."""
+    from test_refit_fp8 import _bf16_export
+
+    from dsv3_rl.refit import manifest as M
+
+    stream = _bf16_export()
+    err, model, _d = _fp8_sync(stream, fault=_double_last_scale_block)
+    assert isinstance(err, ManifestMismatch), err
+    assert str(err).startswith(f"tensor {FP8_SCALE!r} differs after the load from what the rollout worker's "
+                               f"quantizer handed vLLM's loader: digest "), err
+    clean_err, clean, _d = _fp8_sync(stream)
+    assert clean_err is None
+    assert not torch.equal(dict(model.named_parameters())[FP8_SCALE], dict(clean.named_parameters())[FP8_SCALE])
+
+    untapped = pytest.MonkeyPatch()
+    untapped.setattr(M, "tap_loader_feed", lambda stream, _received, _scope="model": stream)
+    try:
+        assert _fp8_sync(stream, fault=_double_last_scale_block)[0] is None
+    finally:
+        untapped.undo()
+
+
+@pytest.mark.usefixtures("verl_cpu", "one_rank")
+def test_weight_sync_manifest_fp8_catches_flipped_weight_byte():
+    """Planted fault: one byte of an FP8 expert weight flipped by the loader, in the model and (separately) in the
+    MTP drafter's load; each fails naming the weight (and the drafter)."""
+    from test_refit_fp8 import _bf16_export
+
+    def flip(name, t):
+        if name == FP8_WEIGHT:
+            assert t.dtype == torch.float8_e4m3fn
+            t.view(torch.uint8)[0, 0] ^= 0x01
+
+    stream = _bf16_export()
+    err = _fp8_sync(stream, fault=flip)[0]
+    assert isinstance(err, ManifestMismatch), err
+    assert str(err).startswith(f"tensor {FP8_WEIGHT!r} differs after the load from what the rollout worker's "
+                               f"quantizer handed vLLM's loader: digest "), err
+    err = _fp8_sync(stream, drafter_fault=flip)[0]
+    assert isinstance(err, ManifestMismatch), err
+    assert f"tensor {FP8_WEIGHT!r} differs after the load from what the rollout worker's quantizer handed the MTP " \
+           f"drafter's loader" in str(err), err
 
 
 def test_export_at_one_pipeline_stage_makes_no_per_tensor_collectives(monkeypatch):
