@@ -326,6 +326,20 @@ def check_router(cfg, facts: dict[str, Any]) -> list[Finding]:
     return out
 
 
+def trainer_spec() -> str:
+    """The layer spec verl will build here: ``transformer_engine`` where megatron-core imports Transformer Engine,
+    else ``local`` (verl patch 0013, ``model_initializer._use_transformer_engine``: the same test, HAVE_TE)."""
+    import importlib.util
+
+    if importlib.util.find_spec("transformer_engine") is None:
+        return "local"
+    try:
+        from megatron.core.extensions.transformer_engine import HAVE_TE
+    except ImportError:
+        return "local"
+    return "transformer_engine" if HAVE_TE else "local"
+
+
 def planner_check(model: Any, cfg, s: Sizes, gpu: str, options_extra: dict, *, cpu: bool) -> list[Finding]:
     """Memory fit of the composed config per the planner; 'does not fit' is a warning."""
     if cpu:
@@ -370,6 +384,11 @@ def planner_check(model: Any, cfg, s: Sizes, gpu: str, options_extra: dict, *, c
         return [Finding("warning", "planner", f"the planner could not evaluate this layout: {type(e).__name__}: {e}")]
     lines = [ln for ln in report.splitlines() if ln.strip()]
     peak = next((ln.strip() for ln in lines if ln.startswith("trainer peak")), "")
+    here = trainer_spec()
+    planned = opts.get("transformer_impl", "transformer_engine")
+    if peak and here != planned:  # a login node without TE, or a GPU box whose TE is not on the path
+        peak += (f"; assumed: this host would build the {here} spec (Transformer Engine "
+                 f"{'not ' if here == 'local' else ''}importable here, verl patch 0013)")
     if fits:
         return [Finding("info", "planner", f"fits ({peak})" if peak else "fits")]
     bad = [ln.strip() for ln in lines if ln.lstrip().startswith("[") or "DOES NOT FIT" in ln or "budget" in ln]

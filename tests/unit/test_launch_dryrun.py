@@ -302,3 +302,31 @@ def test_megatron_fields_cache_equals_megatron_and_follows_its_sources(tmp_path,
     finally:
         os.utime(tf, ns=(st.st_atime_ns, st.st_mtime_ns))
     assert vc._megatron_source_key() == key
+
+
+def _planner_line(launch) -> str:
+    return next(f.message for f in launch.findings if f.check == "planner")
+
+
+def _line_names_the_spec_verl_builds(line: str) -> bool:
+    """Whether the planner line names the spec verl's model initializer builds on this host (patch 0013)."""
+    from verl.models.mcore.model_initializer import _use_transformer_engine
+
+    here = "transformer_engine" if _use_transformer_engine() else "local"
+    m = re.search(r"this host would build the (\w+) spec", line) or re.search(r"(\w+) spec, attention", line)
+    return m is not None and m.group(1) == here
+
+
+def test_planner_line_names_the_spec_this_host_builds(tmp_path, dsv3_config_only, monkeypatch):
+    from dsv3_rl.launch import checks
+
+    env = environ_for("proxy_1xH100", tmp_path, dsv3_config_only)
+    line = _planner_line(launch_run.resolve("proxy_1xH100", [], env))
+    assert line.startswith("fits") and _line_names_the_spec_verl_builds(line), line
+    # twin: a spec test that ignores whether Transformer Engine imports here (the line before 2026-12-07) claims
+    # the TE spec on a host where verl builds the local one (this CPU box has no TE), or the reverse on a TE host
+    from verl.models.mcore.model_initializer import _use_transformer_engine
+
+    monkeypatch.setattr(checks, "trainer_spec", lambda: "local" if _use_transformer_engine() else "transformer_engine")
+    line = _planner_line(launch_run.resolve("proxy_1xH100", [], environ_for("proxy_1xH100", tmp_path / "b", dsv3_config_only)))
+    assert not _line_names_the_spec_verl_builds(line), line
