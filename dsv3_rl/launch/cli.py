@@ -194,6 +194,24 @@ def here_findings(launch, *, dry_run: bool) -> list:
     return out
 
 
+def _ray_init(cfg) -> dict:
+    """The composed ``ray_kwargs.ray_init`` as a plain dict ({} where the config has none)."""
+    from omegaconf import OmegaConf
+
+    node = OmegaConf.select(cfg, "ray_kwargs.ray_init", default=None) if cfg is not None else None
+    return dict(OmegaConf.to_container(node, resolve=True)) if node is not None else {}
+
+
+def after_head(launch, rc: int) -> int:
+    """Node 0 after main_ppo returned RC: the run's checks, plots, report.json and summary line, as one node ends
+    (``train.check_finished``); a failed main_ppo keeps its exit status."""
+    if rc != 0 or launch.preset.checks is None:
+        return rc
+    from dsv3_rl.launch.train import check_finished
+
+    return check_finished(launch)
+
+
 def execute(launch, *, stages_only: bool = False, skip_stages: bool = False, join_timeout: float = 1800.0) -> int:
     """Run the stages and the training command here, or as one node of a multi-node Ray cluster."""
     from dsv3_rl.launch import platform, ray_cluster
@@ -242,6 +260,12 @@ def execute(launch, *, stages_only: bool = False, skip_stages: bool = False, joi
             return run_single_node(launch, env)
         gpus = None if launch.preset.is_cpu else launch.sizes.gpus_per_node
         port = info.ray_port
+        # main_ppo joins our cluster (RAY_ADDRESS): what its ray.init would declare, every node's `ray start` does
+        command, node = ray_cluster.cluster_job(launch.argv, _ray_init(launch.cfg),
+                                                cpu_slots=launch.sizes.gpus_per_node if launch.preset.is_cpu else None,
+                                                job_env=env)
+        if gpus is not None:
+            node["num_gpus"] = gpus
         if info.is_head:
             if not stages_only and str(launch.cfg.trainer.get("resume_mode", "auto")) != "disable":
                 from dsv3_rl.launch import ckpt  # the same verification as one node; the scheduler restarts the job
@@ -250,15 +274,16 @@ def execute(launch, *, stages_only: bool = False, skip_stages: bool = False, joi
                 ckpt.prepare_resume(launch.paths.ckpt, keep=keep if isinstance(keep, int) else None,
                                     mode=str(launch.preset.run.get("verify_checkpoints", "digests")))
             spec = ray_cluster.RayNodeSpec(head=True, port=port, head_addr=info.head_addr,
-                                           node_ip=env.get("RAY_NODE_IP"), num_gpus=gpus)
+                                           node_ip=env.get("RAY_NODE_IP"), **node)
             if stages_only:
                 run_stages()
                 return 0
             timeouts = ray_cluster.Timeouts(join=join_timeout)
-            return ray_cluster.run_head(spec, nnodes, env, run_stages, launch.argv, timeouts,
-                                        log_path=log_dir / "head.log")
+            rc = ray_cluster.run_head(spec, nnodes, env, run_stages, command, timeouts,
+                                      log_path=log_dir / "head.log")
+            return after_head(launch, rc)
         head = ray_cluster.resolve_host(info.head_addr)
-        spec = ray_cluster.RayNodeSpec(head=False, port=port, head_addr=head, node_ip=env.get("RAY_NODE_IP"), num_gpus=gpus)
+        spec = ray_cluster.RayNodeSpec(head=False, port=port, head_addr=head, node_ip=env.get("RAY_NODE_IP"), **node)
         if stages_only:
             return 0
         return ray_cluster.run_worker(spec, env, ray_cluster.Timeouts(join=join_timeout),

@@ -11,6 +11,7 @@ own process group, stopped by signalling that group: nothing else on the machine
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import signal
 import socket
@@ -82,6 +83,8 @@ class RayNodeSpec:
     num_gpus: int | None = None
     temp_dir: str | None = None
     object_store_memory: int | None = None
+    resources: dict[str, float] = dataclasses.field(default_factory=dict)
+    """custom resources this node declares (``--resources``), e.g. verl's CPU trainer slots"""
     include_dashboard: bool = False
     ports: dict[str, int | str] = dataclasses.field(default_factory=dict)
     extra: list[str] = dataclasses.field(default_factory=list)
@@ -104,6 +107,8 @@ class RayNodeSpec:
             a.append(f"--temp-dir={self.temp_dir}")
         if self.object_store_memory:
             a.append(f"--object-store-memory={self.object_store_memory}")
+        if self.resources:
+            a.append(f"--resources={json.dumps(self.resources, sort_keys=True)}")
         for k, v in self.ports.items():
             if k not in PORT_OPTIONS:
                 raise RayClusterError(f"unknown ray port option {k!r}; allowed: {', '.join(PORT_OPTIONS)}")
@@ -232,6 +237,57 @@ def wait_for_nodes(address: str, n: int, timeout: float, *, poll: float = 2.0, l
             time.sleep(poll)
     finally:
         ray.shutdown()
+
+
+#: the ``ray.init`` arguments Ray refuses from a job that joins a running cluster ("When connecting to an existing
+#: cluster, num_cpus and num_gpus must not be provided", ray/_private/worker.py): each node's ``ray start`` takes them
+JOIN_REFUSED = ("num_cpus", "num_gpus", "resources", "object_store_memory")
+RAY_INIT = "ray_kwargs.ray_init"
+#: the Ray resource verl's CPU platform gives each trainer process (patch 0010, verl/plugin/platform/platform_cpu.py);
+#: on one node main_ppo's ray.init declares it, in a cluster every node's ``ray start`` must
+VERL_CPU_SLOT = "verl_cpu_slot"
+
+
+#: the launcher's per-run variables (where the run logs, run.py) that every process of the job must see as node 0 does:
+#: verl's TaskRunner (its file logger) and workers may land on any node, whose Ray was started with that node's own
+#: environment; the job's runtime_env carries node 0's values to all of them
+JOB_ENV = ("VERL_FILE_LOGGER_PATH", "TENSORBOARD_DIR", "WANDB_DIR", "WANDB_MODE")
+
+
+def cluster_job(argv: list[str], ray_init: dict, *, cpu_slots: int | None,
+                job_env: dict[str, str] | None = None) -> tuple[list[str], dict]:
+    """The training command and the per-node ``ray start`` settings for a job that joins the cluster we start.
+
+    ARGV is main_ppo's command line, RAY_INIT the composed ``ray_kwargs.ray_init``, CPU_SLOTS the trainer processes
+    per node of a CPU preset (None on GPUs). Returns ARGV without the ``ray_kwargs.ray_init`` overrides Ray refuses
+    when joining (:data:`JOIN_REFUSED`), and the ``RayNodeSpec`` fields that carry them to every node instead:
+    ``num_cpus`` (each node gets the job's logical CPUs: a node must fit what the job places on it), ``num_gpus``,
+    ``object_store_memory``, and ``resources`` with ``verl_cpu_slot: CPU_SLOTS``. The :data:`JOB_ENV` variables of
+    JOB_ENV (node 0's environment) are added to the job's ``runtime_env.env_vars``.
+    """
+    from dsv3_rl.verl_glue.overrides import parse_overrides
+
+    keep = []
+    for text in argv:
+        if RAY_INIT + "." in text and not text.startswith("-"):
+            (o,) = parse_overrides([text])
+            if o.key.startswith(RAY_INIT + ".") and o.key[len(RAY_INIT) + 1:].split(".")[0] in JOIN_REFUSED:
+                continue
+        keep.append(text)
+    for k in JOB_ENV:
+        v = (job_env or {}).get(k)
+        if v:
+            keep.append(f"++{RAY_INIT}.runtime_env.env_vars.{k}={json.dumps(v)}")
+    node: dict = {}
+    for k in ("num_cpus", "num_gpus", "object_store_memory"):
+        if ray_init.get(k) is not None:
+            node[k] = int(ray_init[k])
+    res = {str(k): float(v) for k, v in dict(ray_init.get("resources") or {}).items()}
+    if cpu_slots is not None:
+        res.setdefault(VERL_CPU_SLOT, float(cpu_slots))
+    if res:
+        node["resources"] = res
+    return keep, node
 
 
 @dataclasses.dataclass

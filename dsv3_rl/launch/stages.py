@@ -113,7 +113,7 @@ class Stage:
             raise StageError(f"stage {self.name}: {detail}")
         log(f"[stage {self.name}] running ({detail}): {' '.join(self.run_argv)}")
         t0 = time.monotonic()
-        rc = subprocess.call(self.run_argv, env=env)
+        rc = subprocess.call(self.run_argv, env=stage_env(env))
         if rc != 0:
             raise StageError(f"stage {self.name} failed with exit status {rc}: {' '.join(self.run_argv)}")
         if self.verify is not None:
@@ -129,6 +129,18 @@ class Stage:
             write_json_atomic(self.marker, rec, indent=1, ensure_ascii=True)
         self.ran = True
         log(f"[stage {self.name}] done in {time.monotonic() - t0:.1f}s")
+
+
+#: torch.distributed's rendezvous variables. In a multi-node job they describe the job (PAI-DLC: WORLD_SIZE = pods,
+#: RANK = node, MASTER_ADDR/PORT = pod 0), not a stage: a stage is one process on node 0 (or torchrun --standalone,
+#: which sets its own), and the converter reading WORLD_SIZE=2 would wait for a rank that never comes
+JOB_RENDEZVOUS_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                       "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def stage_env(env: dict[str, str]) -> dict[str, str]:
+    """The environment a stage's command runs in: ENV without the job's torch.distributed rendezvous variables."""
+    return {k: v for k, v in env.items() if k not in JOB_RENDEZVOUS_VARS}
 
 
 class StageError(Dsv3Error, RuntimeError):

@@ -441,7 +441,20 @@ def _dense_layers(paths) -> int:
 
 
 def check_finished(launch) -> int:
-    """The checks, plots and summary of a finished run again (``dsv3-launch check --preset NAME``)."""
+    """The checks, plots and summary of a finished run again (``dsv3-launch check --preset NAME``; node 0 of a
+    multi-node run after main_ppo). They run in this process as one process: the job's rendezvous variables
+    (PAI-DLC's WORLD_SIZE = pods) are out of ``os.environ`` meanwhile, or the checkpoint reload's torch.distributed
+    init would wait for the job's other ranks (2026-12-07: "environment variable MASTER_PORT expected")."""
+    from dsv3_rl.launch.stages import JOB_RENDEZVOUS_VARS
+
+    saved = {k: os.environ.pop(k) for k in JOB_RENDEZVOUS_VARS if k in os.environ}
+    try:
+        return _check_finished(launch)
+    finally:
+        os.environ.update(saved)
+
+
+def _check_finished(launch) -> int:
     from dsv3_rl.grpo import checks as checks_mod
     from dsv3_rl.grpo.progress import write_plots
 

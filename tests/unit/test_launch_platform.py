@@ -212,7 +212,7 @@ class _FakeLaunch:
         self.sizes = SimpleNamespace(nnodes=nnodes, gpus_per_node=gpn)
         from omegaconf import OmegaConf
 
-        self.preset = SimpleNamespace(is_cpu=False, hardware_name=f"{nnodes * gpn}xH100",
+        self.preset = SimpleNamespace(is_cpu=False, hardware_name=f"{nnodes * gpn}xH100", checks=None,
                                       run={"verify_checkpoints": "structure"})
         self.paths = SimpleNamespace(logs=tmp, ckpt=tmp / "ckpt")
         self.cfg = OmegaConf.create({"trainer": {"resume_mode": "auto", "max_actor_ckpt_to_keep": 2}})
