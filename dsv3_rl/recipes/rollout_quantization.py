@@ -3,10 +3,12 @@
 ``none``
     vLLM serves the trainer's BF16 weights (verl's default, ``rollout.quantization: null``).
 ``fp8``
-    ``actor_rollout_ref.rollout.quantization: fp8``: at every refit verl quantizes the exported BF16 weights
-    into blockwise FP8 (``verl/utils/fp8_utils.py``, 128 x 128 blocks, ``<name>_scale_inv`` in fp32) and vLLM
-    runs FP8 GEMMs on them. With verl patch 0030 the set of FP8 tensors is that of DeepSeek's FP8 release
-    (:mod:`dsv3_rl.refit.fp8_layout`; router gate, norms, embeddings and lm_head stay BF16). The planner
+    ``actor_rollout_ref.rollout.quantization: fp8``: at every refit the trainer sends BF16 and verl's vLLM worker
+    quantizes each weight whose vLLM layer is FP8 (``verl/utils/vllm/vllm_quant_utils.py``, 128 x 128 blocks,
+    ``<name>_scale_inv`` in fp32; verl's server declares the config, router gates ignored) and vLLM runs FP8 GEMMs
+    on them. The set of FP8 tensors is that of DeepSeek's FP8 release (:mod:`dsv3_rl.refit.fp8_layout`; router
+    gate, norms, embeddings and lm_head stay BF16; ``tests/unit/test_refit_fp8.py``). verl patch 0030 makes the
+    name-based quantizer of the sglang/trtllm rollouts (``verl/utils/fp8_utils.py``) pick the same set. The planner
     counts the rollout weights the same way (:func:`dsv3_rl.planner.memory.rollout_weight_bytes`), so the
     KV cache gets the memory FP8 frees. GPU only: refused on a CPU preset (:data:`CPU_REFUSAL`).
 """

@@ -188,3 +188,80 @@ def test_verl_fp8_without_process_group_silently_sends_bf16_and_is_caught(monkey
     fp8 = _verl_fp8(_bf16_export())  # verl logs "Failed to quantize" per tensor and yields the BF16 weight
     diffs = layout_differences(reference_layout(CFG), stream_layout(fp8), limit=0)
     assert any(d.startswith("missing model.layers.0.self_attn.q_a_proj.weight_scale_inv") for d in diffs)
+
+
+# ------------------------------------------------- the vLLM path: what verl's vLLM worker quantizes
+# With vLLM, FP8QuantizerHelper (above; the sglang / trtllm rollouts' quantizer) is not used: verl sends BF16 and the
+# vLLM worker quantizes each weight whose vLLM module holds an FP8 weight (verl/utils/vllm/vllm_quant_utils.py,
+# is_fp8_weight), with the quantization_config verl's vLLM server builds (vllm_async_server._apply_quantization).
+
+
+def _vllm_fp8_selection(extra_ignored=()):
+    """The release's BF16 names (main model, without the MTP layer) each with verl's vLLM-side verdict: vLLM's
+    DeepseekV3ForCausalLM of the release config, built on the meta device with verl's FP8 quantization_config
+    (plus EXTRA_IGNORED layer prefixes), and verl's is_fp8_weight over every name."""
+    import tempfile
+    from types import SimpleNamespace
+
+    import verl.workers.rollout.vllm_rollout.vllm_async_server as server
+    import vllm.model_executor.layers.quantization.fp8 as vllm_fp8
+    from verl.utils.vllm import vllm_quant_utils as quant
+    from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
+    from vllm.distributed import (destroy_distributed_environment, destroy_model_parallel,
+                                  init_distributed_environment, initialize_model_parallel)
+    from vllm.model_executor.models.deepseek_v2 import DeepseekV3ForCausalLM
+
+    from dsv3_rl.ports import free_port
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(server, "apply_vllm_quant_patches", lambda: None)  # a process-wide vLLM patch; not needed here
+        mp.setenv("VERL_VLLM_FP8_QUANT_ENABLED", "0")  # restored after verl's method sets it
+        fake = SimpleNamespace(config=SimpleNamespace(quantization="fp8", qat={}, quantization_config_file=None),
+                               model_config=SimpleNamespace(hf_config=SimpleNamespace(**RELEASE_CONFIG)))
+        quantization, overrides = server.vLLMHttpServer._apply_quantization(fake)
+        # this CPU has no FP8 GEMM kernel for vLLM to pick; the kernel does not change what is FP8
+        mp.setattr(vllm_fp8, "init_fp8_linear_kernel", lambda *a, **k: None)
+        overrides["quantization_config"]["ignored_layers"] += list(extra_ignored)
+        with tempfile.TemporaryDirectory() as d:
+            (Path(d) / "config.json").write_text(json.dumps({k: v for k, v in RELEASE_CONFIG.items() if k != "auto_map"}))
+            mc = ModelConfig(model=d, skip_tokenizer_init=True, dtype="bfloat16", quantization=quantization,
+                             hf_overrides=overrides, enforce_eager=True)
+        vc = VllmConfig(model_config=mc)
+        with set_current_vllm_config(vc):
+            init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                         distributed_init_method=f"tcp://127.0.0.1:{free_port()}")
+            try:
+                initialize_model_parallel(1, 1)
+                with torch.device("meta"):
+                    model = DeepseekV3ForCausalLM(vllm_config=vc, prefix="")
+            finally:
+                destroy_model_parallel()
+                destroy_distributed_environment()
+    mtp = f"model.layers.{RELEASE_CONFIG['num_hidden_layers']}."
+    bf16 = {n: v for n, v in _bf16_names(reference_layout(RELEASE_CONFIG)).items() if not n.startswith(mtp)}
+    quant.fp8_state.seen_params.clear()
+    quant.fp8_state.fp8_param_names.clear()
+    return _apply_rule(lambda n: quant.is_fp8_weight(n, model), bf16), mtp
+
+
+def test_verl_vllm_fp8_selection_matches_deepseek_release():
+    """vLLM path: the weights verl's vLLM worker quantizes (vLLM's own FP8 layers under verl's quantization_config)
+    are exactly the release's FP8 set: every MLA projection, dense MLPs, shared and routed experts; router gates
+    (vLLM builds them unquantized), embeddings, lm_head and norms stay BF16."""
+    got, mtp = _vllm_fp8_selection()
+    ref = {n: v for n, v in reference_layout(RELEASE_CONFIG).items() if not n.startswith(mtp)}
+    assert layout_differences(ref, got) == []
+    assert sum(n.endswith("_scale_inv") for n in got) == 45032  # 45,808 minus the MTP layer's 776
+
+
+def test_verl_vllm_fp8_selection_check_bites():
+    """Planted-fault twin: vLLM building kv_b_proj unquantized (one more ignored layer per decoder layer) fails the
+    same check, on exactly those tensors."""
+    n_layers = RELEASE_CONFIG["num_hidden_layers"]
+    got, mtp = _vllm_fp8_selection([f"model.layers.{i}.self_attn.kv_b_proj" for i in range(n_layers)])
+    ref = {n: v for n, v in reference_layout(RELEASE_CONFIG).items() if not n.startswith(mtp)}
+    diffs = layout_differences(ref, got, limit=0)
+    assert diffs
+    assert {d.split(" ")[1].split(":")[0] if d.startswith("missing") else d.split(":")[0] for d in diffs} == (
+        {f"model.layers.{i}.self_attn.kv_b_proj.weight" for i in range(n_layers)}
+        | {f"model.layers.{i}.self_attn.kv_b_proj.weight_scale_inv" for i in range(n_layers)})
