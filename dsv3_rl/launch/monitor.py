@@ -49,13 +49,15 @@ _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 NODE_RAY = "the node's Ray"
 """how a lost raylet or GCS is named (LOST_PATTERNS, :func:`vanished_name`); the launcher treats such a loss before an
 attempt trains a step as a failed start"""
+OOM = "a process killed for lack of memory (OOM)"
+"""how a process killed by Ray's memory monitor or the kernel's OOM killer is named (LOST_PATTERNS)"""
 #: log lines that say a process of the run was lost (not a bug of the run itself): (pattern, which process)
 LOST_PATTERNS = (
     (re.compile(r"EngineDeadError|Engine core proc \S+ died|EngineCore\S* (?:died|encountered a fatal error)"),
      "the vLLM engine (EngineCore)"),
     # (not "OOM killer": Ray's text for any dead worker lists it among the possible causes)
     (re.compile(r"killed due to the node running low on memory|Out of memory: Killed process|"
-                r"Worker exit type: NODE_OUT_OF_MEMORY", re.I), "a process killed for lack of memory (OOM)"),
+                r"Worker exit type: NODE_OUT_OF_MEMORY", re.I), OOM),
     (re.compile(r"The actor is dead because its worker process has died|ActorDiedError|ActorUnavailableError|"
                 r"RayActorError|Worker exit type: SYSTEM_ERROR"), "a Ray worker"),
     (re.compile(r"GCS has been down|Failed to connect to GCS|raylet (?:has )?died|node .* has been marked dead", re.I),
@@ -78,6 +80,9 @@ STALL_FACTOR = 5.0
 VANISH_MIN_AGE_S = 5.0
 """a watched process counts as vanished only once it was seen alive this long (a short-lived fork or a process
 between fork and exec is not the run's; a missed loss is still caught by Ray's log line or the stall watchdog)"""
+#: Ray's memory monitor: the node's memory when it killed, and its "Top 10 memory users" rows (pid, GB, command)
+_OOM_NODE = re.compile(r"was ([\d.]+ ?GB) used / ([\d.]+ ?GB) limit")
+_OOM_TOP = re.compile(r"^\s*(\d+)\t([\d.]+)\t(\S+)")
 _CLASS = re.compile(r"class_name: (?:\S*\.)?(\w+)")  # Ray's ActorDiedError names the dead actor's class
 _WHO = (re.compile(r"ray::(\w+)"), re.compile(r"(EngineCore\w*)"), re.compile(r"\bpid[=: ]+(\d+)", re.I))
 #: Ray's prefix of a forwarded line names the process that *printed* it (the driver reporting a dead worker)
@@ -109,6 +114,8 @@ class LostProcess:
         self.names: list[str] = []
         self.pids: list[str] = []
         self.after = 0
+        self.node_mem: tuple[str, str] | None = None  # OOM: (used, limit) as Ray printed them
+        self.top: tuple[str, str, str] | None = None  # OOM: the largest memory user (pid, GB, command)
 
     def feed(self, line: str) -> bool:
         """Read one log line; True when it is the first lost-process line."""
@@ -123,6 +130,11 @@ class LostProcess:
             self.after -= 1
         else:
             return False
+        if self.what == OOM:
+            if self.node_mem is None and (m := _OOM_NODE.search(line)):
+                self.node_mem = (m.group(1), m.group(2))
+            if self.top is None and (m := _OOM_TOP.match(line)):
+                self.top = (m.group(1), m.group(2), m.group(3).split(".")[0])
         classes, names, pids = _who(line)
         self.classes += [n for n in classes if n not in self.classes]
         self.names += [n for n in names if n not in self.what and n not in self.names]
@@ -132,6 +144,10 @@ class LostProcess:
     def __str__(self) -> str:
         if self.what is None:
             return ""
+        if self.what == OOM and (self.node_mem or self.top):  # Ray's memory monitor: the node and its largest user
+            parts = [f"node {self.node_mem[0]} used of {self.node_mem[1]}"] if self.node_mem else []
+            parts += [f"largest {self.top[2]} pid {self.top[0]} {self.top[1]} GB"] if self.top else []
+            return f"{self.what[:-1]}: {', '.join(parts)})"
         extra = ", ".join((self.classes or self.names)[:1] + [f"pid {p}" for p in self.pids[:1]])
         if not extra:
             return self.what
@@ -341,6 +357,9 @@ def _pump(stream, log_path: Path, lost: dict | None = None, t0: float = 0.0) -> 
             if tracker.what is not None:
                 if not lost.get("vanished"):
                     lost["what"] = str(tracker)
+                elif tracker.what == OOM:  # the process seen vanishing first was the memory monitor's victim
+                    first = lost.setdefault("vanished_what", lost["what"])
+                    lost["what"] = f"{tracker}; {first} went first"
             elif "start" not in lost and START_FAILED.search(line):
                 lost["start"] = line.strip()[:200]
 

@@ -338,6 +338,45 @@ def test_lost_process_from_a_real_ray_log():
     assert monitor.lost_process(REAL_KILLED_WORKER[0]) is None
 
 
+#: main_ppo.log of the real proxy_1xH100 run on a 128 GiB H100 box (2026-12-07, shortened): Ray's memory monitor killed
+#: workers during the first weight sync; the launcher's process watcher had already seen the EngineCore vanish
+REAL_OOM = [
+    "ray.exceptions.OutOfMemoryError: 5 worker(s) were killed due to the node running low on memory. Memory on the "
+    "node (IP: 192.0.2.2, ID: 9242228cdba4ab32f8abd8a8cddcfabfdc4e464387493ed52456588a) was 119.76GB used / 125.85GB "
+    "limit (0.951636). Memory threshold: 0.95. Set RAY_memory_usage_threshold to change the threshold.",
+    "Ray killed 5 worker(s) based on the killing policy",
+    "Selected to kill: (Actor(b2bff560caac630f1f915d4701000000): job ID=01000000, task name=agent_loop_worker_1_38566095:"
+    "AgentLoopWorkerTQ.__init__, required resources={}, pid=5608, actual memory used=0.82GB)",
+    "To see more information about memory usage on this node, use `ray logs raylet.out -ip 192.0.2.2`",
+    "Top 10 memory users: PID\tMEM(GB)\tCOMMAND",
+    "3990\t101.45\tray::WorkerDict.actor_rollout_update_actor",
+    "5205\t1.60\tVLLM::Worker",
+    "5119\t0.62\tVLLM::EngineCore",
+]
+
+
+def test_oom_names_the_node_memory_and_the_largest_user():
+    lp = monitor.LostProcess()
+    assert [ln for ln in REAL_OOM if lp.feed(ln)] == REAL_OOM[:1]
+    assert str(lp) == ("a process killed for lack of memory (OOM: node 119.76GB used of 125.85GB, largest "
+                       "ray::WorkerDict pid 3990 101.45 GB)")  # not pid 5608, the first victim Ray lists
+
+
+def test_oom_line_names_the_cause_after_a_vanished_process(tmp_path):
+    import io
+
+    vanished = "the vLLM engine (EngineCore, pid 5119)"
+    lost = {"what": vanished, "vanished": True, "at": 1.0}
+    monitor._pump(io.StringIO("\n".join(REAL_OOM) + "\n"), tmp_path / "log", lost)
+    assert lost["what"].startswith("a process killed for lack of memory (OOM: node 119.76GB used of 125.85GB")
+    assert lost["what"].endswith(f"; {vanished} went first"), lost["what"]
+    # twin: a log without Ray's memory-monitor lines leaves the vanished process as the cause (the summary of the
+    # 2026-12-07 run: "the vLLM engine (EngineCore, pid 5119) lost during step 1")
+    lost = {"what": vanished, "vanished": True, "at": 1.0}
+    monitor._pump(io.StringIO("\n".join(REAL_OOM[3:4]) + "\n"), tmp_path / "log2", lost)
+    assert lost["what"] == vanished
+
+
 FAKE_PPO = textwrap.dedent("""
     # stand-in for verl main_ppo: verl's metrics lines, verl's checkpoint files (tracker last), a lost process on demand
     import json, os, sys, time
