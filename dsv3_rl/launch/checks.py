@@ -340,46 +340,54 @@ def trainer_spec() -> str:
     return "transformer_engine" if HAVE_TE else "local"
 
 
+def planner_inputs(cfg, s: Sizes, gpu: str, options_extra: dict) -> tuple:
+    """The planner's (Cluster, GRPOShape, Options, RolloutLayout) for the composed config."""
+    from dsv3_rl.planner import Cluster, GRPOShape, Options, RolloutLayout
+
+    g = lambda k, d=None: select(cfg, k, d)  # noqa: E731
+    otc_opt = g(f"{A}.optim.override_optimizer_config") or {}
+    otc = g(OTC) or {}
+    prompt, resp = int(g("data.max_prompt_length")), int(g("data.max_response_length"))
+    grpo = GRPOShape(
+        prompts_per_step=int(g("data.train_batch_size")), n_samples=int(g(f"{R}.n")), max_prompt_len=prompt,
+        max_response_len=resp, ppo_mini_batch_size=int(g(f"{A}.ppo_mini_batch_size")),
+        micro_batch_size=int(g(f"{A}.ppo_micro_batch_size_per_gpu") or 1), dynamic_batch=bool(g(f"{A}.use_dynamic_bsz")),
+        max_token_len_per_gpu=int(g(f"{A}.ppo_max_token_len_per_gpu") or (prompt + resp)), ppo_epochs=int(g(f"{A}.ppo_epochs", 1)),
+    )
+    cpu_off = bool(otc_opt.get("optimizer_cpu_offload", False))
+    opts = dict(
+        param_offload=bool(g(f"{M}.param_offload")), optimizer_offload=bool(g(f"{M}.optimizer_offload")),
+        optimizer_cpu_offload_fraction=float(otc_opt.get("optimizer_offload_fraction", 1.0 if cpu_off else 0.0)) if cpu_off else 0.0,
+        ref_model=bool(g(f"{A}.use_kl_loss")) or bool(g("algorithm.use_kl_in_reward")),
+        ref_param_offload=bool(g("actor_rollout_ref.ref.megatron.param_offload")),
+        distributed_optimizer=bool(g(f"{M}.use_distributed_optimizer", True)),
+        precision_aware_optimizer=bool(otc_opt.get("use_precision_aware_optimizer", g(f"{A}.optim.use_precision_aware_optimizer", False))),
+        moe_grouped_gemm=bool(otc.get("moe_grouped_gemm", True)),
+        rollout_enforce_eager=bool(g(f"{R}.enforce_eager")),
+        rollout_max_num_batched_tokens=int(g(f"{R}.max_num_batched_tokens") or 8192),
+        rollout_quantization=str(g(f"{R}.quantization") or "none"),  # FP8 rollout weights (preset rollout_quantization)
+    )
+    from dsv3_rl.recipes.train_precision import planner_options  # FP8 training memory (preset train_precision)
+
+    opts.update(planner_options(otc))
+    opts.update(options_extra or {})
+    rollout = RolloutLayout(tp=s.rollout_tp, dp=s.rollout_dp, ep=s.rollout_ep, gpus=s.world,
+                            gpu_memory_utilization=float(g(f"{R}.gpu_memory_utilization")))
+    return Cluster(gpu=gpu, gpus_per_node=s.gpus_per_node, nodes=s.nnodes), grpo, Options(**opts), rollout
+
+
 def planner_check(model: Any, cfg, s: Sizes, gpu: str, options_extra: dict, *, cpu: bool) -> list[Finding]:
     """Memory fit of the composed config per the planner; 'does not fit' is a warning."""
     if cpu:
         return [Finding("info", "planner", "skipped: CPU run (the planner models GPU memory)")]
     if options_extra is False:
         return [Finding("info", "planner", "skipped: preset sets planner: false")]
-    from dsv3_rl.planner import Cluster, GRPOShape, Options, RolloutLayout, check_layout
+    from dsv3_rl.planner import check_layout
 
-    g = lambda k, d=None: select(cfg, k, d)  # noqa: E731
-    otc_opt = g(f"{A}.optim.override_optimizer_config") or {}
-    otc = g(OTC) or {}
     try:
-        prompt, resp = int(g("data.max_prompt_length")), int(g("data.max_response_length"))
-        grpo = GRPOShape(
-            prompts_per_step=int(g("data.train_batch_size")), n_samples=int(g(f"{R}.n")), max_prompt_len=prompt,
-            max_response_len=resp, ppo_mini_batch_size=int(g(f"{A}.ppo_mini_batch_size")),
-            micro_batch_size=int(g(f"{A}.ppo_micro_batch_size_per_gpu") or 1), dynamic_batch=bool(g(f"{A}.use_dynamic_bsz")),
-            max_token_len_per_gpu=int(g(f"{A}.ppo_max_token_len_per_gpu") or (prompt + resp)), ppo_epochs=int(g(f"{A}.ppo_epochs", 1)),
-        )
-        cpu_off = bool(otc_opt.get("optimizer_cpu_offload", False))
-        opts = dict(
-            param_offload=bool(g(f"{M}.param_offload")), optimizer_offload=bool(g(f"{M}.optimizer_offload")),
-            optimizer_cpu_offload_fraction=float(otc_opt.get("optimizer_offload_fraction", 1.0 if cpu_off else 0.0)) if cpu_off else 0.0,
-            ref_model=bool(g(f"{A}.use_kl_loss")) or bool(g("algorithm.use_kl_in_reward")),
-            ref_param_offload=bool(g("actor_rollout_ref.ref.megatron.param_offload")),
-            distributed_optimizer=bool(g(f"{M}.use_distributed_optimizer", True)),
-            precision_aware_optimizer=bool(otc_opt.get("use_precision_aware_optimizer", g(f"{A}.optim.use_precision_aware_optimizer", False))),
-            moe_grouped_gemm=bool(otc.get("moe_grouped_gemm", True)),
-            rollout_enforce_eager=bool(g(f"{R}.enforce_eager")),
-            rollout_max_num_batched_tokens=int(g(f"{R}.max_num_batched_tokens") or 8192),
-            rollout_quantization=str(g(f"{R}.quantization") or "none"),  # FP8 rollout weights (preset rollout_quantization)
-        )
-        from dsv3_rl.recipes.train_precision import planner_options  # FP8 training memory (preset train_precision)
-
-        opts.update(planner_options(otc))
-        opts.update(options_extra or {})
-        rollout = RolloutLayout(tp=s.rollout_tp, dp=s.rollout_dp, ep=s.rollout_ep, gpus=s.world,
-                                gpu_memory_utilization=float(g(f"{R}.gpu_memory_utilization")))
-        fits, report = check_layout(model, Cluster(gpu=gpu, gpus_per_node=s.gpus_per_node, nodes=s.nnodes), grpo,
-                                    s.layout, Options(**opts), rollout=rollout)
+        cluster, grpo, opts, rollout = planner_inputs(cfg, s, gpu, options_extra)
+        fits, report = check_layout(model, cluster, grpo, s.layout, opts, rollout=rollout)
+        opts = dataclasses.asdict(opts)
     except Exception as e:  # noqa: BLE001  (the planner is advisory)
         return [Finding("warning", "planner", f"the planner could not evaluate this layout: {type(e).__name__}: {e}")]
     lines = [ln for ln in report.splitlines() if ln.strip()]
@@ -393,3 +401,46 @@ def planner_check(model: Any, cfg, s: Sizes, gpu: str, options_extra: dict, *, c
         return [Finding("info", "planner", f"fits ({peak})" if peak else "fits")]
     bad = [ln.strip() for ln in lines if ln.lstrip().startswith("[") or "DOES NOT FIT" in ln or "budget" in ln]
     return [Finding("warning", "planner", "DOES NOT FIT per dsv3_rl.planner: " + " | ".join(bad[:4] or lines[:4]))]
+
+
+#: Ray's default for ``RAY_memory_usage_threshold``: its memory monitor kills workers once the node's used memory
+#: passes this fraction of its total (the limit it reports is MemTotal: 125.85 GiB on the 128 GiB H100 box, 2026-12-07)
+RAY_MEMORY_THRESHOLD = 0.95
+
+
+def host_memory_check(launch, mem_total: float | None, threshold: float, *, dry_run: bool) -> list[Finding]:
+    """The planner's host memory of the trainer processes of one node (:func:`dsv3_rl.planner.memory.
+    trainer_host_memory`) + the other processes (:data:`dsv3_rl.planner.memory.HOST_OTHERS_GIB`) against this
+    machine's ``mem_total`` bytes x Ray's kill ``threshold``: over it is an error (the run would be killed by Ray's
+    memory monitor, as proxy_1xH100 was on 2026-12-07), info in a dry run (planned for another machine) or when it
+    fits. GPU presets only: a CPU preset trains on the host, outside this model."""
+    if launch.preset.is_cpu or launch.preset.planner is False or launch.sizes is None or launch.cfg is None:
+        return []
+    from dsv3_rl.planner.memory import HOST_OTHERS_GIB
+    from dsv3_rl.planner.report import host_memory_text
+    from dsv3_rl.planner.search import evaluate
+    from dsv3_rl.planner.spec import GIB
+
+    try:
+        cluster, grpo, opts, rollout = planner_inputs(launch.cfg, launch.sizes, launch.preset.hardware["gpu"],
+                                                      launch.preset.planner)
+        hm = evaluate(launch.model_cfg, cluster, grpo, launch.sizes.layout, opts, rollout=rollout).host_memory
+    except Exception as e:  # noqa: BLE001  (advisory where the planner cannot evaluate; planner_check says why)
+        return [Finding("warning", "host_memory", f"the planner could not estimate host memory: {type(e).__name__}: {e}")]
+    if hm is None:
+        return []
+    need = hm.per_node + HOST_OTHERS_GIB * GIB
+    if mem_total is None:
+        return [Finding("info", "host_memory", f"{host_memory_text(hm)}; this machine's MemTotal is unknown")]
+    limit = mem_total * threshold
+    nums = (f"trainer {hm.per_node / GIB:.1f} GiB per node + other processes {HOST_OTHERS_GIB:.1f} GiB = "
+            f"{need / GIB:.1f} GiB vs this machine's MemTotal {mem_total / GIB:.2f} GiB x RAY_memory_usage_threshold "
+            f"{threshold:g} = {limit / GIB:.1f} GiB")
+    if need <= limit:
+        return [Finding("info", "host_memory", f"fits ({nums}); {host_memory_text(hm)}")]
+    if dry_run:
+        return [Finding("info", "host_memory", f"would not fit this machine's RAM ({nums}); a run here would be refused "
+                                               f"(checked where the run starts)")]
+    return [Finding("error", "host_memory", f"host memory: {nums}: Ray's memory monitor would kill the trainer "
+                                            f"(proxy_1xH100, 2026-12-07); refused before anything starts. Terms: "
+                                            + ", ".join(f"{k} {v:.1f}" for k, v in hm.gib().items() if v))]

@@ -176,7 +176,9 @@ def cmd_run(argv: list[str]) -> int:
 
 def here_findings(launch, *, dry_run: bool) -> list:
     """What this machine and this WORK_DIR say about the run: a GPU preset where no GPU is visible (refused; the dry
-    run warns, so that GPU presets still dry-run on a CPU box), and checkpoints of another run in CKPT_DIR."""
+    run warns, so that GPU presets still dry-run on a CPU box), a GPU preset whose host-memory estimate passes this
+    machine's MemTotal x RAY_memory_usage_threshold (refused; info in the dry run), and checkpoints of another run in
+    CKPT_DIR."""
     from dsv3_rl.launch import platform, workdir
     from dsv3_rl.launch.checks import Finding
 
@@ -188,6 +190,11 @@ def here_findings(launch, *, dry_run: bool) -> list:
                    f"({launch.preset.hardware_name}) and this machine has none visible (torch.cuda.device_count() "
                    f"== 0): a run here is refused before anything starts (Ray would wait for ever for GPU slots)")
             out.append(Finding("warning" if dry_run else "error", "hardware", msg))
+    if not launch.preset.is_cpu:  # host RAM: the trainer's offloaded state + the other processes vs Ray's kill line
+        from dsv3_rl.launch.checks import host_memory_check
+
+        out += host_memory_check(launch, platform.mem_total_bytes(), platform.ray_memory_threshold(launch.full_env()),
+                                 dry_run=dry_run)
     why = workdir.identity_mismatch(launch)
     if why:
         out.append(Finding("error", "run_dir", why))

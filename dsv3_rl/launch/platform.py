@@ -167,3 +167,26 @@ def local_gpus() -> int:
     import torch
 
     return int(torch.cuda.device_count())
+
+
+def mem_total_bytes(path: str = "/proc/meminfo") -> float | None:
+    """This machine's MemTotal in bytes (what Ray's memory monitor takes as the node's limit), None where unreadable."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def ray_memory_threshold(env: dict[str, str]) -> float:
+    """``RAY_memory_usage_threshold`` from the run's environment, Ray's default 0.95 where unset."""
+    from dsv3_rl.launch.checks import RAY_MEMORY_THRESHOLD
+
+    raw = env.get("RAY_memory_usage_threshold")
+    try:
+        return float(raw) if raw else RAY_MEMORY_THRESHOLD
+    except ValueError:
+        raise PlatformError(f"RAY_memory_usage_threshold={raw!r}: not a number") from None

@@ -473,6 +473,149 @@ def non_torch_reserve(lay, opt) -> float:
     return (NON_TORCH_GIB + p2p * NCCL_P2P_COMM_GIB + FRAGMENTATION_GIB) * GIB
 
 
+# --- host memory of the trainer processes -------------------------------------------------------
+
+#: host bytes of a CUDA process that imports torch and holds a model on its GPU, before any offload (CUDA context,
+#: libraries, Python heap): not derived from code but measured, the RSS of the colocated vLLM worker (a CUDA + torch
+#: process whose weights sit on its GPU) in Ray's memory report of proxy_1xH100, 2026-12-07
+#: (docs/results/2026-12-07-gpu-proxy1/README.md): 1.60 GiB
+HOST_PROCESS_GIB = 1.60
+#: host memory of everything but the trainer processes on a one-GPU node of a colocated GRPO run (vLLM engine and
+#: HTTP server, agent-loop, reward and TransferQueue workers, the launcher, main_ppo, raylet, the kernel): measured,
+#: Ray's node total less the trainer at the kill of proxy_1xH100 (119.76 - 101.45 GiB, same report). Not scaled with
+#: the number of GPUs: a larger node runs more of them, so this is a floor there
+HOST_OTHERS_GIB = 18.31
+
+
+def _pinned(nbytes: float) -> float:
+    """Bytes torch's pinned allocator takes for a request: the CachingHostAllocator rounds every pinned allocation up
+    to a power of two (ATen/core/CachingHostAllocator.h ``allocate``, ``c10::llvm::PowerOf2Ceil(size)``; the limits
+    ``pinned_max_round_threshold`` / ``pinned_max_cached_size`` default to SIZE_MAX, c10/core/AllocatorConfig.h), and
+    keeps a freed pinned block cached for reuse instead of returning it."""
+    n = int(math.ceil(nbytes))
+    return float(1 << (n - 1).bit_length()) if n > 1 else float(n)
+
+
+def rank_param_tensors(m, split, rank: int, lay) -> list[tuple[float, bool]]:
+    """(elements, is_expert) of each parameter tensor megatron builds on one rank (TE spec: one tensor per routed
+    expert's fc1 and fc2, ``TEGroupedMLP`` weight0..N-1; the local spec's ``GroupedMLP`` merges them per layer).
+    The same counts as :func:`stage_params`, as tensors, since the pinned allocator rounds each one."""
+    tp, ep, etp = lay.tp, lay.ep, lay.etp_
+    a = m.attn_params()
+    repl = {"q_a_layernorm", "kv_a_layernorm", "input_layernorm"}
+    attn = [(float(v) if k in repl else v / tp, False) for k, v in a.items()]
+
+    def moe_layer():
+        out = attn + [(m.num_experts * m.hidden, False), (m.hidden, False),
+                      (2 * m.hidden * m.shared_ffn / tp, False), (m.hidden * m.shared_ffn / tp, False)]
+        e_local = m.num_experts / ep
+        fc1, fc2 = 2 * m.hidden * m.moe_ffn / etp, m.hidden * m.moe_ffn / etp
+        out += [(fc1, True), (fc2, True)] * max(1, int(e_local))
+        return out
+
+    ts: list[tuple[float, bool]] = []
+    for st in split.stages[rank]:
+        for i in st.decoder:
+            if m.is_moe_layer(i):
+                ts += moe_layer()
+            else:
+                ts += attn + [(2 * m.hidden * m.dense_ffn / tp, False), (m.hidden * m.dense_ffn / tp, False),
+                              (m.hidden, False)]
+        if st.embedding:
+            ts.append((m.embedding_params / tp, False))
+        if st.loss:
+            ts.append((m.hidden, False))
+            if not m.tie_embeddings:
+                ts.append((m.embedding_params / tp, False))
+        for _ in range(st.mtp):
+            ts += moe_layer() + [(2 * m.hidden * m.hidden / tp, False), (2 * m.hidden, False), (m.hidden, False)]
+    return ts
+
+
+@dataclasses.dataclass
+class HostMemory:
+    """Host bytes of the trainer: one process (the worst PP rank) by term, and a node's trainer processes."""
+
+    terms: dict[str, float]
+    processes_per_node: int
+    pp_rank: int = 0
+
+    @property
+    def per_process(self) -> float:
+        return sum(self.terms.values())
+
+    @property
+    def per_node(self) -> float:
+        return self.per_process * self.processes_per_node
+
+    def gib(self) -> dict[str, float]:
+        return {k: round(v / GIB, 2) for k, v in self.terms.items()}
+
+
+def trainer_host_memory(m, split, lay, opt, world: int, gpus_per_node: int) -> HostMemory:
+    """Host memory of one megatron trainer process (verl 0.9.1 + megatron-core 0.16.1) once it has trained a step and
+    offloaded, the worst PP rank, and of a node's ``min(world, gpus_per_node)`` trainer processes. Terms, each from
+    the code that allocates it (``_pinned`` marks pinned memory, rounded up to a power of two per tensor):
+
+    * ``param_offload`` (``param_offload``, distributed optimizer): one pinned bf16 copy of each DDP buffer's
+      ``param_data``, allocated at the first offload and kept for the process's life
+      (verl ``utils/megatron_utils.py:751-756``; the grad buffer is only freed on the GPU, ``:778-781``, no host
+      copy; without the distributed optimizer there is no ``param_data`` to move, ``:732-733``).
+    * HybridDeviceOptimizer (``optimizer_cpu_offload_fraction`` f > 0; megatron-core ``optimizer/__init__.py:336-345``
+      builds it with ``param_update_in_fp32=True`` and ``torch.optim.AdamW`` as the CPU optimizer, ``:10``), for the
+      first f of this rank's optimizer-shard elements (``cpu_offloading/hybrid_optimizer.py:258-276``):
+      ``hdo_pinned_clone``: ``param.detach().clone().cpu().pin_memory()`` (``:274``), the shard's own dtype (bf16 with
+      the precision-aware optimizer, whose shard params are the bf16 model shards, ``distrib_optimizer.py:440-449``;
+      fp32 main params otherwise), freed once ``.float()`` copies it but kept by the pinned allocator's cache
+      (0 B without the precision-aware optimizer: the fp32 clone is the master itself); ``hdo_master_fp32``: that
+      ``.float()`` copy (``:277-279``, pageable); ``hdo_grads_fp32``: a pinned fp32 gradient per offloaded param,
+      allocated at the first step (``:108-112``); ``hdo_adam_fp32``: AdamW's ``exp_avg`` and ``exp_avg_sq``,
+      ``zeros_like`` the fp32 master, 8 B (``exp_avg_dtype`` is not passed to the CPU optimizer, ``__init__.py:336-345``).
+      The first HybridDeviceOptimizer, built over the whole params before the distributed optimizer rebuilds it
+      (``distrib_optimizer.py:602-605``), leaves its clones in the same cache; the rebuilt one reuses them where the
+      shard is the whole param (DP 1); with DP > 1 the model counts the shard clones only.
+    * ``optimizer_offload`` for the GPU part (1 - f): verl moves the optimizer's fp32 main params and Adam states to
+      pageable host memory while the trainer sleeps (``megatron_utils.py:857-900, 961-970``): 12 B, or 4 B + 2 x 2 B
+      with the precision-aware optimizer's bf16 moments.
+    * ``process``: :data:`HOST_PROCESS_GIB` (measured, not derived).
+
+    Not modelled: the pinned allocator's rounding of verl's per-offload transient copies (none in verl 0.9.1), the
+    reference model (``ref_model``: its weights follow ``param_offload`` into pageable memory, 2 B a param, added when
+    offloaded), the Ray object store (shared memory, outside the process)."""
+    dp_cp = max(1, lay.dp(world) * lay.cp)
+    edp = max(1, lay.edp(world))
+    f = opt.optimizer_cpu_offload_fraction
+    worst: HostMemory | None = None
+    for r in range(split.pp):
+        ts = rank_param_tensors(m, split, r, lay)
+        dense = sum(n for n, e in ts if not e)
+        expert = sum(n for n, e in ts if e)
+        t: dict[str, float] = {}
+        t["param_offload"] = (_pinned(2 * dense) + (_pinned(2 * expert) if expert else 0.0)) \
+            if opt.param_offload and opt.distributed_optimizer else 0.0
+        shards = [n / ((edp if e else dp_cp) if opt.distributed_optimizer else 1) for n, e in ts]
+        # HybridDeviceOptimizer offloads params in order until f of the elements are on the CPU (:258, :273)
+        off, limit, cpu = 0.0, f * sum(shards), []
+        for n in shards:
+            if off < limit:
+                cpu.append(n)
+                off += n
+        pa = opt.precision_aware_optimizer
+        t["hdo_pinned_clone"] = sum(_pinned(2 * n) for n in cpu) if pa else 0.0
+        t["hdo_master_fp32"] = 4 * off if pa else sum(_pinned(4 * n) for n in cpu)
+        t["hdo_grads_fp32"] = sum(_pinned(4 * n) for n in cpu)
+        t["hdo_adam_fp32"] = 8 * off
+        gpu_part = sum(shards) - off
+        t["optimizer_offload"] = gpu_part * optimizer_bytes_per_param(opt) if opt.optimizer_offload else 0.0
+        ref_offload = opt.param_offload if opt.ref_param_offload is None else opt.ref_param_offload
+        t["ref_offload"] = 2 * (dense + expert) if opt.ref_model and ref_offload else 0.0
+        t["process"] = HOST_PROCESS_GIB * GIB
+        hm = HostMemory(terms=t, processes_per_node=min(world, gpus_per_node), pp_rank=r)
+        if worst is None or hm.per_process > worst.per_process:
+            worst = hm
+    return worst
+
+
 # --- rollout memory ---------------------------------------------------------------------------
 
 

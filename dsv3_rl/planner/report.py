@@ -114,6 +114,16 @@ def routed_experts_text(m, g, ev) -> str:
             f"{r3.staging / 2**20:.1f} MiB int16 staging")
 
 
+def host_memory_text(hm) -> str:
+    """The trainer's host memory per node (planner/memory.py ``trainer_host_memory``), by term, non-zero ones."""
+    from dsv3_rl.planner.memory import HOST_OTHERS_GIB
+
+    terms = ", ".join(f"{k} {v:.1f}" for k, v in hm.gib().items() if v)
+    return (f"host memory per node: trainer {hm.per_node / GIB:.1f} GiB = {hm.processes_per_node} process(es) x "
+            f"{hm.per_process / GIB:.1f} GiB ({terms}); other processes ~{HOST_OTHERS_GIB:.1f} GiB (measured on one GPU); "
+            f"the launcher compares the sum with MemTotal x RAY_memory_usage_threshold where the run starts")
+
+
 def rollout_weights_text(m, ro, o) -> str:
     """What the rollout weights are: BF16, or FP8 with the BF16 figure they replace (planner/memory.py)."""
     if o.rollout_quantization != "fp8":
@@ -141,6 +151,8 @@ def evaluation_report(ev, m, c, g, o) -> str:
         lines.append(f"micro-batches per mini-batch per DP rank: {ev.microbatches}; pipeline bubble {ev.bubble:.1%}")
         if m.num_experts:
             lines.append(routed_experts_text(m, g, ev))
+    if ev.host_memory:
+        lines.append(host_memory_text(ev.host_memory))
     if ev.comm:
         cv = ev.comm.gib()
         lines.append(f"per GPU per GRPO step: all-to-all {cv['a2a_per_grpo_step_gib']} GiB "

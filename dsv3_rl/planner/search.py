@@ -25,6 +25,9 @@ class Evaluation:
     memory: mem.MemoryBreakdown | None = None
     stage_memory: list[mem.MemoryBreakdown] = dataclasses.field(default_factory=list)
     rollout_memory: mem.RolloutMemory | None = None
+    host_memory: mem.HostMemory | None = None
+    """host memory of the trainer processes (worst PP rank, per node); not a fit rule: the launcher checks it
+    against the machine it starts on (docs/planner.md, "Host memory")"""
     bubble: float = 0.0
     microbatches: int = 0
     comm: comm_mod.CommVolume | None = None
@@ -61,6 +64,8 @@ class Evaluation:
             d["memory_gib"] = self.memory.gib()
             d["memory_pp_rank"] = self.memory.pp_rank
             d["stage_memory_gib"] = [x.gib()["total"] for x in self.stage_memory]
+        if self.host_memory:
+            d["host_memory_gib"] = dict(self.host_memory.gib(), per_node=round(self.host_memory.per_node / GIB, 2))
         if self.rollout_memory:
             d["rollout_memory_gib"] = self.rollout_memory.gib()
             d["rollout_kv_tokens"] = self.rollout_memory.kv_tokens
@@ -214,6 +219,7 @@ def evaluate(model, cluster, grpo, layout: Layout, options, *, rollout: RolloutL
     ev.bubble = bubble_fraction(layout.pp, split.vpp, n_micro)
     worst, ranks = mem.train_memory(m, split, layout, g, o, world, n_micro)
     ev.memory, ev.stage_memory = worst, ranks
+    ev.host_memory = mem.trainer_host_memory(m, split, layout, o, world, c.gpus_per_node)
     cap = c.memory_bytes
     if worst.total > cap:
         parts = ", ".join(f"{k} {v:.1f}" for k, v in worst.gib().items() if k != "total" and v)
