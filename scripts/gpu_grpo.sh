@@ -138,7 +138,7 @@ case $mode in
   proxy1fp8)
     snapshot proxy1fp8
     w="$RUNS/proxy1-one/work"
-    start proxy1fp8 one 0 proxy_1xH100_fp8 MODEL_PATH="$w/models/dsv3-proxy" MCORE_PATH="$w/models/dsv3-proxy-mcore" \
+    start proxy1fp8 one 0 proxy_1xH100_fp8 MODEL_PATH="$w/models/dsv3-proxy-1xh100" MCORE_PATH="$w/models/dsv3-proxy-1xh100-mcore" \
         DATA_DIR="$w/data/math_lighteval" -- trainer.total_training_steps="${PROXY1_STEPS:-4}"
     wait_for proxy1fp8 "$WAIT_S" ;;
   proxy)

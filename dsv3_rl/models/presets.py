@@ -10,6 +10,9 @@ proxy          DeepSeek-V3's real layer dims with 4 layers (1 dense + 3 MoE), 16
 proxy_4xH100   DeepSeek-V3's real layer dims, 4 layers (1 dense + 3 MoE), 64 experts top-8 in 8 groups
                (top-4 groups): 11.6B params, sized by the planner to fill 4 x H100 80GB for the GRPO
                update bench (docs/planner.md, "Measured against the planner").
+proxy_1xH100   the proxy with 3 layers (1 dense + 2 MoE), 16 experts: 4.3B params, sized to fit one GPU's trainer
+               with the CPU optimizer in a 128 GiB host (the 4-layer proxy's 106 GiB did not: docs/planner.md,
+               "Host memory").
 deepseek-v3    the official DeepSeek-V3 config (671B; config only). Alias: 671b.
 =============  ==========================================================================
 
@@ -161,11 +164,20 @@ _PROXY_4XH100: dict[str, Any] = {
     "n_routed_experts": 64,
 }
 
+# The one-GPU whole-step model (preset proxy_1xH100): the proxy less one MoE layer. With param and CPU-optimizer offload
+# the trainer keeps ~20 B a parameter in host memory (dsv3_rl.planner.memory.trainer_host_memory); the 4-layer proxy's
+# 5.24B came to 101.45 GiB measured and was killed by Ray's memory monitor on a 128 GiB H100 box (2026-12-07).
+_PROXY_1XH100: dict[str, Any] = {
+    **_PROXY,
+    "num_hidden_layers": 3,
+}
+
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": _TINY,
     "tiny-vllm": _TINY_VLLM,
     "proxy": _PROXY,
     "proxy_4xH100": _PROXY_4XH100,
+    "proxy_1xH100": _PROXY_1XH100,
     "deepseek-v3": _DEEPSEEK_V3,
 }
 ALIASES = {"671b": "deepseek-v3"}

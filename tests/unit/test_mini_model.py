@@ -49,9 +49,9 @@ def _diff(actual: dict, expected: dict) -> dict:
 
 
 def test_preset_names():
-    assert presets.list_presets() == ["tiny", "tiny-vllm", "proxy", "proxy_4xH100", "deepseek-v3"]
+    assert presets.list_presets() == ["tiny", "tiny-vllm", "proxy", "proxy_4xH100", "proxy_1xH100", "deepseek-v3"]
     assert presets.resolve("671b") == "deepseek-v3"
-    with pytest.raises(KeyError, match="allowed: tiny, tiny-vllm, proxy, proxy_4xH100, deepseek-v3, 671b"):
+    with pytest.raises(KeyError, match="allowed: tiny, tiny-vllm, proxy, proxy_4xH100, proxy_1xH100, deepseek-v3, 671b"):
         presets.resolve("tiny2")
 
 
