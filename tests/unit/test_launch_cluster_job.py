@@ -226,6 +226,8 @@ def test_the_checks_run_as_one_process_not_as_the_job(monkeypatch):
 
     from dsv3_rl.launch import stages, train
 
+    for k in stages.JOB_RENDEZVOUS_VARS:  # what an earlier test in this worker left (torch.distributed's LOCAL_RANK, ...)
+        monkeypatch.delenv(k, raising=False)
     for k, v in DLC_ENV.items():
         monkeypatch.setenv(k, v)
     seen = []

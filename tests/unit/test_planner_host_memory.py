@@ -80,9 +80,7 @@ def test_pinned_allocations_round_up_to_a_power_of_two():
 # --- the launcher's check ----------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def proxy_launch(tmp_path_factory):
-    """proxy_1xH100 resolved once (one verl composition, no validation)."""
+def _resolve(tmp_path_factory, preset: str):
     import os
 
     from dsv3_rl.launch import run as launch_run
@@ -90,12 +88,27 @@ def proxy_launch(tmp_path_factory):
     old = os.environ.get("WORK_DIR")
     os.environ["WORK_DIR"] = str(tmp_path_factory.mktemp("work"))
     try:
-        yield launch_run.resolve("proxy_1xH100", [], validate=False)
+        return launch_run.resolve(preset, [], validate=False)
     finally:
         if old is None:
             os.environ.pop("WORK_DIR", None)
         else:
             os.environ["WORK_DIR"] = old
+
+
+@pytest.fixture(scope="module")
+def proxy_launch(tmp_path_factory):
+    """The run that was killed (attempt 1): proxy_1xH100 on the 4-layer `proxy`, resolved once (no validation)."""
+    from dsv3_rl.recipes.presets import PRESET_DIR
+
+    f = tmp_path_factory.mktemp("preset") / "proxy_1xH100_attempt1.yaml"
+    f.write_text(f"extends: {PRESET_DIR / 'proxy_1xH100.yaml'}\nmodel: proxy\nweights: {{name: dsv3-proxy}}\n")
+    return _resolve(tmp_path_factory, str(f))
+
+
+def test_the_preset_as_it_is_now_fits_the_125_gib_box(tmp_path_factory, monkeypatch):
+    (f,) = _here(_resolve(tmp_path_factory, "proxy_1xH100"), monkeypatch, BOX_MEMTOTAL)
+    assert f.level == "info" and f.message.startswith("fits"), f
 
 
 def _here(launch, monkeypatch, mem_total, *, dry_run=False):
