@@ -327,17 +327,11 @@ def check_router(cfg, facts: dict[str, Any]) -> list[Finding]:
 
 
 def trainer_spec() -> str:
-    """The layer spec verl will build here: ``transformer_engine`` where megatron-core imports Transformer Engine,
-    else ``local`` (verl patch 0013, ``model_initializer._use_transformer_engine``: the same test, HAVE_TE)."""
-    import importlib.util
+    """The layer spec verl will build here: verl's own rule (patch 0013, ``model_initializer._use_transformer_engine``:
+    ``transformer_engine`` where megatron-core imports Transformer Engine, else ``local``)."""
+    from verl.models.mcore.model_initializer import _use_transformer_engine
 
-    if importlib.util.find_spec("transformer_engine") is None:
-        return "local"
-    try:
-        from megatron.core.extensions.transformer_engine import HAVE_TE
-    except ImportError:
-        return "local"
-    return "transformer_engine" if HAVE_TE else "local"
+    return "transformer_engine" if _use_transformer_engine() else "local"
 
 
 def planner_inputs(cfg, s: Sizes, gpu: str, options_extra: dict) -> tuple:
@@ -387,13 +381,12 @@ def planner_check(model: Any, cfg, s: Sizes, gpu: str, options_extra: dict, *, c
     try:
         cluster, grpo, opts, rollout = planner_inputs(cfg, s, gpu, options_extra)
         fits, report = check_layout(model, cluster, grpo, s.layout, opts, rollout=rollout)
-        opts = dataclasses.asdict(opts)
     except Exception as e:  # noqa: BLE001  (the planner is advisory)
         return [Finding("warning", "planner", f"the planner could not evaluate this layout: {type(e).__name__}: {e}")]
     lines = [ln for ln in report.splitlines() if ln.strip()]
     peak = next((ln.strip() for ln in lines if ln.startswith("trainer peak")), "")
     here = trainer_spec()
-    planned = opts.get("transformer_impl", "transformer_engine")
+    planned = opts.transformer_impl
     if peak and here != planned:  # a login node without TE, or a GPU box whose TE is not on the path
         peak += (f"; assumed: this host would build the {here} spec (Transformer Engine "
                  f"{'not ' if here == 'local' else ''}importable here, verl patch 0013)")
@@ -401,11 +394,6 @@ def planner_check(model: Any, cfg, s: Sizes, gpu: str, options_extra: dict, *, c
         return [Finding("info", "planner", f"fits ({peak})" if peak else "fits")]
     bad = [ln.strip() for ln in lines if ln.lstrip().startswith("[") or "DOES NOT FIT" in ln or "budget" in ln]
     return [Finding("warning", "planner", "DOES NOT FIT per dsv3_rl.planner: " + " | ".join(bad[:4] or lines[:4]))]
-
-
-#: Ray's default for ``RAY_memory_usage_threshold``: its memory monitor kills workers once the node's used memory
-#: passes this fraction of its total (the limit it reports is MemTotal: 125.85 GiB on the 128 GiB H100 box, 2026-12-07)
-RAY_MEMORY_THRESHOLD = 0.95
 
 
 def host_memory_check(launch, mem_total: float | None, threshold: float, *, dry_run: bool) -> list[Finding]:

@@ -181,10 +181,13 @@ def mem_total_bytes(path: str = "/proc/meminfo") -> float | None:
     return None
 
 
+#: Ray's default for ``RAY_memory_usage_threshold``: its memory monitor kills workers once the node's used memory
+#: passes this fraction of its total (the limit it reports is MemTotal: 125.85 GiB on the 128 GiB H100 box, 2026-12-07)
+RAY_MEMORY_THRESHOLD = 0.95
+
+
 def ray_memory_threshold(env: dict[str, str]) -> float:
     """``RAY_memory_usage_threshold`` from the run's environment, Ray's default 0.95 where unset."""
-    from dsv3_rl.launch.checks import RAY_MEMORY_THRESHOLD
-
     raw = env.get("RAY_memory_usage_threshold")
     try:
         return float(raw) if raw else RAY_MEMORY_THRESHOLD
