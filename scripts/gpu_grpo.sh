@@ -9,8 +9,6 @@
 #                                        #   twin (6 steps, must FAIL), and a run whose EngineCore is killed after step 3
 #   bash scripts/gpu_grpo.sh tiny1       # one GPU: tiny_1xH100 sound (12 steps) and its flipped-advantage twin (6
 #                                        #   steps, must FAIL) side by side on GPU 0 (two Ray clusters on one host)
-#   bash scripts/gpu_grpo.sh tiny1kill   # one GPU: tiny_1xH100 (12 steps) whose EngineCore is killed after step 3: it
-#                                        #   must restart and end PASSED (issue 38 item 4)
 #   bash scripts/gpu_grpo.sh proxy1      # one GPU: proxy_1xH100, whole GRPO steps (TE spec, CPU optimizer;
 #                                        #   PROXY1_STEPS steps, default 4)
 #   bash scripts/gpu_grpo.sh proxy1fp8   # one GPU: proxy_1xH100_fp8 (FP8 rollout weights) on proxy1's model, mcore
@@ -32,7 +30,7 @@ RUNS=${RUNS:-/root/dsv3-runs}
 OUT=${OUT:-out/gpu-grpo}
 WAIT_S=${WAIT_S:-540}
 mkdir -p "$OUT" "$RUNS"
-mode=${1:?mode: receive | install | tiny | tiny1 | tiny1kill | proxy1 | proxy1fp8 | proxy | twonode | wait MODE [SECONDS]}
+mode=${1:?mode: receive | install | tiny | tiny1 | proxy1 | proxy1fp8 | proxy | twonode | wait MODE [SECONDS]}
 
 case $mode in
   receive)
@@ -125,12 +123,6 @@ case $mode in
     start tiny1 sound 0 tiny_1xH100
     start tiny1 flip 0 tiny_1xH100 DSV3_PLANT_FAULT=flip_advantage_sign -- trainer.total_training_steps=6
     wait_for tiny1 "$WAIT_S" ;;
-  tiny1kill)
-    snapshot tiny1kill
-    start tiny1kill kill 0 tiny_1xH100
-    ( cd "$RUNS/repo-tiny1kill" && setsid python3 scripts/kill_at_step.py "$RUNS/tiny1kill-kill/work/logs/dsv3_rl_demo/grpo_tiny_1xH100" 3 \
-        > "$RUNS/tiny1kill-kill/kill.log" 2>&1 < /dev/null & )
-    wait_for tiny1kill "$WAIT_S" ;;
   proxy1)
     snapshot proxy1
     start proxy1 one 0 proxy_1xH100 -- trainer.total_training_steps="${PROXY1_STEPS:-4}"
