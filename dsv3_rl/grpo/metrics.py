@@ -19,6 +19,9 @@ from dsv3_rl.errors import Dsv3Error
 REWARD_KEYS = ("critic/score/mean", "critic/rewards/mean")
 PROB_DIFF_MAX = "training/rollout_probs_diff_max"
 PROB_DIFF_MEAN = "training/rollout_probs_diff_mean"
+#: NeMo-RL's token_mult_prob_error: mean over response tokens of exp(|logp_vllm - logp_megatron|), 1.0 = identical
+#: (verl patch 0036)
+TOKEN_MULT_PROB_ERROR = "training/rollout_token_mult_prob_error"
 #: suffix of the R3 route-agreement metric of verl's Megatron engine (verl patch 0023; verl prefixes it)
 ROUTE_AGREEMENT = "router_replay/route_agreement"
 

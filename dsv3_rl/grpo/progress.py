@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from dsv3_rl.fs import write_bytes_atomic
-from dsv3_rl.grpo.metrics import (PROB_DIFF_MAX, PROB_DIFF_MEAN, REWARD_KEYS, CheckError, number as _num, read_metrics,
-                                  route_agreement, val_reward)
+from dsv3_rl.grpo.metrics import (PROB_DIFF_MAX, PROB_DIFF_MEAN, REWARD_KEYS, TOKEN_MULT_PROB_ERROR, CheckError,
+                                  number as _num, read_metrics, route_agreement, val_reward)
 
 # verl metric names (verl 0.9.1, trainer/ppo/metric_utils.py); the reward and prob-diff names live in metrics
 RESPONSE_LENGTH = "response_length/mean"
@@ -98,6 +98,13 @@ class MetricsFollower:
     @property
     def steps(self) -> list[dict[str, Any]]:
         return [{"step": s, **self._done[s]} for s in sorted(self._done)]
+
+    @property
+    def newest_step(self) -> int | None:
+        """The newest step a record was read of, still pending or not (None before the first). verl logs a step's
+        metrics at the step's end, so once this is the run's last step, training is over even though that step is
+        still pending (:meth:`poll` returns it only at :meth:`flush`)."""
+        return self._max_step
 
     def _read(self) -> None:
         try:
@@ -321,6 +328,8 @@ def write_plots(steps: list[dict], out_dir: Path, dense_layers: int = 0, title: 
 
     mx = _series(steps, lambda s: _num(s.get(PROB_DIFF_MAX)), positive=True)
     mn = _series(steps, lambda s: _num(s.get(PROB_DIFF_MEAN)), positive=True)
+    # a constant log-prob offset (another softmax normaliser) shows here and hardly in |p diff| of rare tokens
+    tm = _series(steps, lambda s: _num(s.get(TOKEN_MULT_PROB_ERROR)), positive=True)
     fig, ax = plt.subplots(figsize=(8, 4.8), layout="constrained")
     try:
         ax.set_title("rollout vs trainer: |p_vllm - p_mcore| of the sampled tokens")
@@ -332,10 +341,23 @@ def write_plots(steps: list[dict], out_dir: Path, dense_layers: int = 0, title: 
             if mn[0]:
                 ax.plot(*mn[:2], color="tab:purple", marker="s", markersize=4, label=_label("mean", mn))
             ax.set_yscale("log")
-            _step_axis(ax, mx, mn)
+            _step_axis(ax, mx, mn, tm)
             ax.set_ylabel("|p_vllm - p_mcore|")
             ax.grid(True, which="both", alpha=0.3)
-            fig.legend(loc="outside lower center", ncol=2, fontsize=9, frameon=False)
+            if tm[0]:
+                ax2 = ax.twinx()
+                ax2.plot(*tm[:2], color="tab:green", marker="^", markersize=4, linewidth=1.2,
+                         label=_label("token_mult_prob_error (right; NeMo-RL, 1 = same)", tm))
+                ax2.set_yscale("log")
+                lo, hi = min(tm[1]), max(tm[1])
+                ax2.set_ylim(min(lo, 1.0) / 1.02, max(hi, 1.1) * 1.1)
+                from matplotlib.ticker import FuncFormatter
+
+                for axis_fmt in (ax2.yaxis.set_major_formatter, ax2.yaxis.set_minor_formatter):
+                    axis_fmt(FuncFormatter(lambda v, _: f"{v:g}"))
+                ax2.set_ylabel("token_mult_prob_error", color="tab:green")
+                ax2.tick_params(axis="y", which="both", colors="tab:green")
+            fig.legend(loc="outside lower center", ncol=3, fontsize=9, frameon=False)
         written.append(_save(fig, out_dir / "consistency.png"))
     finally:
         plt.close(fig)

@@ -411,7 +411,10 @@ def run_watched(argv: list[str], env: dict[str, str], *, log_path: Path, metrics
                 size = -1
             if size != last_size:
                 last_size, last_progress = size, now
-            done = bool(step_at) and max(step_at) >= total_steps  # the end: verl shuts its workers down
+            # the end: verl logged its last step (pending in the follower until the run ends) and now shuts its
+            # workers down: a worker that vanishes from here on is the teardown, not a loss (the clean-clone CI of
+            # 2026-12-07: the DAPO demo's WorkerDicts gone 30 s before main_ppo exited, "lost during step 7")
+            done = (follower.newest_step or 0) >= total_steps
             if proc.poll() is None and not lost.get("what") and not done:
                 gone = watched.poll(now)
                 if gone is not None and proc.poll() is None:

@@ -5,7 +5,8 @@ weights    synthetic presets (tiny, proxy): ``python -m dsv3_rl.minimodel.mini_m
 fp8_cast   FP8 release -> BF16: ``python -m dsv3_rl.checkpoint.fp8 cast IN --out OUT``; done when the tool's
            manifest (``dsv3_manifest.json``) says complete for this input
 hf_config  config.json fix-ups (quantization_config, MTP, topk_method, ...):
-           ``python -m dsv3_rl.checkpoint.hf_config DIR``; done when ``--check`` finds nothing to change
+           ``python -m dsv3_rl.checkpoint.hf_config DIR``; done when ``--check`` finds nothing to change and the
+           tokenizer has config.json's vocab_size entries (shorter: an error for synthetic weights, else an info)
 convert    HF -> megatron-core dist checkpoint: ``python -m dsv3_rl.convert hf-to-mcore --hf-dir HF --out MCORE``
            (``CONVERT_NPROC=N``: under torchrun); done when its ``dsv3_manifest.json`` says complete for this
            source. verl then loads it with ``use_dist_checkpointing``
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -233,8 +235,9 @@ def build_stages(preset, paths, *, max_prompt_length: int | None, model_cfg: dic
                argv=_py("dsv3_rl.checkpoint.hf_config", str(hf_dir)),
                out_dir=None, outputs=[hf_dir / "config.json"], inputs=[])
 
-    def verify_config(d=hf_dir):
-        """``hf_config --check`` (in-process: the same function the CLI calls)."""
+    def verify_config(d=hf_dir, synthetic=synthetic):
+        """``hf_config --check`` (in-process: the same function the CLI calls), then the tokenizer's length against
+        vocab_size (:func:`tokenizer_gap`: an error for synthetic weights, an info for real ones)."""
         if not (d / "config.json").is_file():
             return False, f"{d / 'config.json'} missing"
         from dsv3_rl.checkpoint.hf_config import ConfigError, fix_checkpoint_config
@@ -245,7 +248,14 @@ def build_stages(preset, paths, *, max_prompt_length: int | None, model_cfg: dic
             return False, f"config.json cannot be fixed: {e}"
         if changes:
             return False, f"config.json needs {len(changes)} fix-up(s): " + "; ".join(map(str, changes[:3]))
-        return True, "config.json acceptable to verl and vLLM"
+        try:
+            gap = tokenizer_gap(d, synthetic=synthetic)
+        except Exception as e:  # noqa: BLE001  (transformers: OSError, ValueError, KeyError, ... for a broken tokenizer)
+            why = (str(e).splitlines() or [""])[0]
+            return False, f"the tokenizer in {d} does not load with AutoTokenizer as verl loads it ({type(e).__name__}: {why})"
+        if gap and synthetic:
+            return False, gap  # the tool cannot fix it: the stage stops (exit 2) naming both numbers
+        return True, "config.json acceptable to verl and vLLM" + (f"; info: {gap}" if gap else "")
 
     st.verify = verify_config
     stages.append(st)
@@ -294,6 +304,28 @@ def build_stages(preset, paths, *, max_prompt_length: int | None, model_cfg: dic
             st.out_dir = None  # no marker to compare inputs with: the files themselves are validated
     stages.append(st)
     return stages
+
+
+def tokenizer_gap(d: Path, *, synthetic: bool) -> str | None:
+    """What a tokenizer in D shorter than its config.json's vocab_size does to the run (one line naming both numbers),
+    None where they agree or D holds no tokenizer. verl's vLLM rollout masks the logits of ids >= len(tokenizer)
+    (``monkey_patch_compute_logits``), Megatron's log-probs normalise over all vocab_size rows: the two differ by
+    -ln(the trainer's probability of ids < len), about ln(vocab_size/len) on every token for SYNTHETIC weights (random
+    lm_head rows; the proxy GPU run of 2026-12-07 measured 4.147 nats with 2048 of 129280), next to nothing for trained
+    weights (DeepSeek-V3's own tokenizer: 128815 of 129280)."""
+    from dsv3_rl.models.tokenizer import tokenizer_length
+
+    vocab = (read_config(d) or {}).get("vocab_size")
+    n = tokenizer_length(d)
+    if n is None or not isinstance(vocab, int) or n >= vocab:
+        return None
+    gap = (f"the tokenizer in {d} has {n} entries but config.json vocab_size is {vocab}: verl's vLLM rollout never "
+           f"samples ids >= {n} while Megatron's log-probs normalise over all {vocab} rows, so rollout and trainer "
+           f"log-probs disagree by up to ln({vocab}/{n}) = {math.log(vocab / n):.4g} nats")
+    if synthetic:
+        return (gap + " on every token with these synthetic weights (random lm_head rows); rewrite them with "
+                      "--force-stage weights (mini_model pads the tokenizer to vocab_size)")
+    return gap + " (trained weights put next to no probability on ids the tokenizer never produces: far less in practice)"
 
 
 def verify_data(out: Path) -> tuple[bool, str]:

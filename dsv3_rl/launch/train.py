@@ -119,6 +119,12 @@ def _cause_key(lost: str, step: int) -> tuple[str, int]:
     return re.sub(r"\d+s\b", "Ns", re.sub(r"pid \d+", "pid", lost)), step
 
 
+DEFAULT_START_RETRIES = 2
+"""``run.max_start_retries`` unless the preset says: a failed start (Ray or vLLM failing to come up, the node's Ray gone
+before the attempt trains a step: a loaded machine) is retried this often per invocation, on its own budget: the
+restarts of ``run.max_restarts`` are for processes lost while the run trains (stop 47's CI: a fault chain whose two
+planted losses had used both restarts ended on a raylet that gave up starting)"""
+
 START_RETRY_WAIT_S = 10.0
 """seconds a retry after a failed start waits once the old cluster's processes are gone (a loaded machine)"""
 
@@ -183,11 +189,13 @@ def _run_attempts(launch, env: dict[str, str], lock) -> int:
     log = paths.logs / "main_ppo.log"
     resume_mode = str(_select(launch.cfg, "trainer.resume_mode", "auto"))
     max_restarts = int(preset.run.get("max_restarts", 0) or 0)
+    max_start_retries = int(preset.run.get("max_start_retries", DEFAULT_START_RETRIES))
     verify_mode = str(preset.run.get("verify_checkpoints", "digests"))
     keep = _select(launch.cfg, "trainer.max_actor_ckpt_to_keep", None)
     metrics.parent.mkdir(parents=True, exist_ok=True)
     timeout = preset.run.get("timeout_s")
-    restarts: list[dict] = []
+    restarts: list[dict] = []  # lost processes (run.max_restarts)
+    start_retries: list[dict] = []  # failed starts (run.max_start_retries): their own budget
     pending: dict | None = None  # the restart whose time lost is measured by the next attempt
     this_steps: set[int] = set()
     t_run0 = time.monotonic()
@@ -218,8 +226,9 @@ def _run_attempts(launch, env: dict[str, str], lock) -> int:
             pending["resumed_from"] = resume
             pending["steps_repeated"] = max(0, pending.pop("trained") - (resume or 0))
         say(f"running verl main_ppo: {total} GRPO steps{f', limit {timeout:.0f}s' if timeout else ''}"
-            f"{f', restart {len(restarts)}/{max_restarts}' if restarts else ''}; full log {log}")
-        with open(log, "a" if resume is not None or restarts else "w") as f:  # a resumed attempt continues the log
+            f"{f', restart {len(restarts)}/{max_restarts}' if restarts else ''}"
+            f"{f', start retry {len(start_retries)}/{max_start_retries}' if start_retries else ''}; full log {log}")
+        with open(log, "a" if resume is not None or restarts or start_retries else "w") as f:  # a resumed attempt continues the log
             f.write(f"\n===== {PREFIX} attempt: {' '.join(launch.argv[:4])} ... (resume from step {resume}) =====\n")
         run_id = uuid.uuid4().hex
         lock.update(run_id=run_id)
@@ -240,7 +249,9 @@ def _run_attempts(launch, env: dict[str, str], lock) -> int:
         step_s = {r["step"]: float(r.get("timing_s/step") or 0.0) for r in _read_quiet(metrics)}
         if pending is not None:
             pending["time_lost_s"] = round(_time_lost(pending, t_att, res, step_s), 1)
-            say(f"restart {len(restarts)}: {pending['steps_repeated']} step(s) repeated, "
+            retried = any(pending is r for r in start_retries)
+            say(f"{'start retry' if retried else 'restart'} {len(start_retries if retried else restarts)}: "
+                f"{pending['steps_repeated']} step(s) repeated, "
                 f"{pending['time_lost_s']:.0f}s lost (from reaching step {pending['last_step']} to reaching it again)")
             pending = None
         gib = res.peak_pss_bytes / 2**30
@@ -263,15 +274,19 @@ def _run_attempts(launch, env: dict[str, str], lock) -> int:
                      "trained": max(last, ckpt.tracker_step(paths.ckpt) or 0)}  # a step saved but not logged too
             again = not start_failed and any(_cause_key(r["cause"], r["step"]) == _cause_key(cause, last + 1)
                                              for r in restarts)  # a start fails by the machine's state: retried
+            # a failed start is the machine's state, not the run's: its own budget, never a restart's (docs/ci.md)
+            used, budget, key = ((start_retries, max_start_retries, "max_start_retries") if start_failed
+                                 else (restarts, max_restarts, "max_restarts"))
             if again:
                 res.reason, why = "deterministic", "the same loss at the same step as before: not restarting"
-            elif len(restarts) >= max_restarts:
-                why = f"no restart left (run.max_restarts={max_restarts})"
+            elif len(used) >= budget:
+                why = f"no {'start retry' if start_failed else 'restart'} left (run.{key}={budget})"
             else:
-                restarts.append(entry)
+                used.append(entry)
                 pending = entry
-                say(f"RESTART {len(restarts)}/{max_restarts}: {cause}; the run was torn down, starting it again "
-                    f"from its last complete checkpoint")
+                say(f"{'START RETRY' if start_failed else 'RESTART'} {len(used)}/{budget}: {cause}; the run was torn "
+                    f"down, starting it again from its last complete checkpoint"
+                    f"{' (run.max_restarts is not used)' if start_failed else ''}")
                 if start_failed:
                     _wait_cluster_gone(res.run_id)
                 continue
@@ -305,6 +320,7 @@ def _run_attempts(launch, env: dict[str, str], lock) -> int:
     run_info = {"seconds": round(res.seconds, 1), "peak_pss_gib": round(res.peak_pss_bytes / 2**30, 2),
                 "peak_at_s": round(res.peak_at_s, 1), "resumed_from": resume0,
                 "restarts": [{k: v for k, v in r.items() if k != "t_last"} for r in restarts],
+                "start_retries": [{k: v for k, v in r.items() if k != "t_last"} for r in start_retries],
                 "steps_this_invocation": sorted(this_steps)}
     report = None
     if preset.checks is not None and res.code == 0:
@@ -312,7 +328,7 @@ def _run_attempts(launch, env: dict[str, str], lock) -> int:
         print(report.render(), flush=True)
     ok = res.code == 0 and (report is None or report.ok)
     line = summary(preset.name, ok, steps, report, res, total, this_steps=this_steps,
-                   cause=gave_up, restarts=len(restarts))
+                   cause=gave_up, restarts=len(restarts), start_retries=len(start_retries))
     if report is None:
         write_json_atomic(paths.logs / REPORT, {"ok": ok, "checks": [], "steps": steps,
                                                 "run": {**run_info, "summary": line}}, default=str, ensure_ascii=True)
@@ -473,7 +489,7 @@ def _check_finished(launch) -> int:
 
 
 def summary(name: str, ok: bool, steps: list[dict], report, res: monitor.RunResult | None, total: int,
-            this_steps: set[int] | None = None, cause: str = "", restarts: int = 0) -> str:
+            this_steps: set[int] | None = None, cause: str = "", restarts: int = 0, start_retries: int = 0) -> str:
     """The one summary line. Seconds per step are those of THIS_STEPS (the steps this invocation trained; all
     logged steps when None, for ``dsv3-launch check``), never an earlier invocation's as this one's."""
     from dsv3_rl.grpo import checks as checks_mod
@@ -490,6 +506,8 @@ def summary(name: str, ok: bool, steps: list[dict], report, res: monitor.RunResu
         parts.append(cause)
     if restarts:
         parts.append(f"{restarts} restart(s)")
+    if start_retries:
+        parts.append(f"{start_retries} start retry(s)")
     if times:
         parts.append(f"{sum(times) / len(times):.1f} s/step" + ("" if this_steps is None or len(timed) == len(train)
                                                                  else f" (the {len(timed)} steps of this invocation)"))

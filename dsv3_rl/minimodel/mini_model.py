@@ -1,7 +1,8 @@
 """Write DeepSeek-V3-architecture HF checkpoints for tests, the demo and benchmarks.
 
 ``write_mini_model(preset, out_dir, seed=0, dtype="bf16", fmt="hf", shards=None)`` writes
-config.json, generation_config.json, the offline tokenizer and the weights, deterministically:
+config.json, generation_config.json, the offline tokenizer (padded with placeholders to the config's vocab_size,
+e.g. the proxies' 129280: verl's rollout never samples ids >= len(tokenizer)) and the weights, deterministically:
 
 * ``fmt="hf"``: BF16 (or FP32) weights in the *hub* layout (one tensor per expert,
   ``model.layers.N.mlp.experts.E.gate_proj.weight``; not transformers-5's fused in-memory
@@ -241,12 +242,12 @@ def write_random_hf(config: Any, out_dir: str | os.PathLike, dtype: torch.dtype 
     def fill(tmp: Path) -> None:
         from dsv3_rl.checkpoint.safetensors_io import shard_names, st_dtype
 
+        copy_tokenizer_files(tmp, cfg["vocab_size"])  # first: a vocab_size below the tokenizer's fails at once
         units = [(s, [(s.name, st_dtype(dtype), s.shape)]) for s in specs]
         total = sum(math.prod(s.shape) * dtype.itemsize for s in specs)
         n = min(len(units), max(1, math.ceil(total / max(1, int(shard_gb * (1 << 30))))))
         _write_shards(tmp, units, lambda w, s: w.write(s.name, value(s)), list(shard_names(n)), index=True)
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2, default=str) + "\n")
-        copy_tokenizer_files(tmp)
 
     return _build_dir(Path(out_dir), overwrite, fill)
 
@@ -310,7 +311,7 @@ def _write(name: str, kwargs: dict[str, Any], tmp: Path, seed: int, dtype: str, 
         cfg = _hub_style_config({k: v for k, v in kwargs.items() if k != "quantization_config"}, mtp)
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     (tmp / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2) + "\n")
-    copy_tokenizer_files(tmp)
+    copy_tokenizer_files(tmp, kwargs["vocab_size"])  # len(tokenizer) == vocab_size (verl's rollout masks the rest)
 
     if name not in presets.CONFIG_ONLY:
         specs = tensor_specs(kwargs, mtp)

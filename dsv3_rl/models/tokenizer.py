@@ -11,6 +11,10 @@ repo; ``build_info.json`` there names the files and their hashes). Where that ca
 installed wheel), ``tokenizer_dir()`` builds the same-sized tokenizer from a small embedded corpus
 instead.
 
+A model whose vocab_size is larger (the proxy presets: 129280) gets the same tokenizer padded with DeepSeek-style
+placeholders to exactly vocab_size entries (``copy_tokenizer_files(dst, vocab_size)``): verl's vLLM rollout never
+samples ids >= len(tokenizer), while Megatron's log-probs normalise over all vocab_size rows.
+
 CLI::
 
     dsv3-tokenizer --out OUT_DIR [--data-dir DIR] [--vocab-size 2048]   # or python -m dsv3_rl.models.tokenizer;
@@ -20,16 +24,18 @@ CLI::
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import os
+import re
 import shutil
 import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from dsv3_rl.cliargs import add_out, one_path, usage_errors
-from dsv3_rl.errors import cli_main
+from dsv3_rl.errors import Dsv3Error, cli_main
 from dsv3_rl.fs import sha256_file, write_text_atomic
 
 BOS = "<｜begin▁of▁sentence｜>"
@@ -65,6 +71,7 @@ SPECIAL_TOKENS = [
 # Added as single tokens but not "special": decode(skip_special_tokens=True) keeps them, as in R1.
 NOT_SPECIAL = {THINK, END_THINK}
 PLACEHOLDER = "<｜place▁holder▁no▁{}｜>"  # DeepSeek's own filler name; pads the vocab to size
+_PLACEHOLDER_RE = re.compile(re.escape(PLACEHOLDER).replace(re.escape("{}"), r"(\d+)"))
 
 VOCAB_SIZE = 2048  # the "tiny" presets' vocab_size; keep the two equal
 
@@ -157,6 +164,11 @@ def parquet_files(data_dir: Path) -> list[Path]:
     return files
 
 
+def placeholders(start: int, stop: int) -> list[str]:
+    """DeepSeek-style filler names number START..STOP-1 (``<｜place▁holder▁no▁N｜>``)."""
+    return [PLACEHOLDER.format(i) for i in range(start, stop)]
+
+
 def _train(texts: Iterable[str], vocab_size: int):
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
@@ -180,7 +192,7 @@ def _train(texts: Iterable[str], vocab_size: int):
     if n > vocab_size:
         raise RuntimeError(f"BPE produced {n} tokens, more than the requested {vocab_size}")
     # Fill up to exactly vocab_size with DeepSeek-style placeholders, so the model's vocab_size is fixed.
-    fillers = [PLACEHOLDER.format(i) for i in range(vocab_size - n)]
+    fillers = placeholders(0, vocab_size - n)
     if fillers:
         tok.add_special_tokens(fillers)
     tok.post_processor = processors.TemplateProcessing(
@@ -196,7 +208,48 @@ def _tokenizer_json(tok) -> str:
     for added in data["added_tokens"]:
         if added["content"] in NOT_SPECIAL:
             added["special"] = False
+    return _dump(data)
+
+
+def _dump(data: dict) -> str:
+    """tokenizer.json text as this module writes it."""
     return json.dumps(data, ensure_ascii=False, indent=2, sort_keys=False) + "\n"
+
+
+class VocabSizeError(Dsv3Error, ValueError):
+    """A model's vocab_size smaller than the tokenizer (a tokenizer cannot shrink)."""
+
+
+def pad_tokenizer_json(text: str, vocab_size: int, what: str = "the tokenizer") -> str:
+    """tokenizer.json TEXT with exactly VOCAB_SIZE entries (``len(AutoTokenizer)`` == VOCAB_SIZE): the missing ids
+    ``len .. VOCAB_SIZE-1`` become DeepSeek-style placeholders numbered on from the ones :func:`_train` added. TEXT
+    itself where it already has VOCAB_SIZE entries; :class:`VocabSizeError` where it has more.
+
+    The fillers go into the BPE model's vocab, not among the added tokens: no merge and no byte-level piece ever
+    produces ``｜``/``▁``, so every text encodes to the same ids as before (a literal placeholder string in the text
+    too), and ``AutoTokenizer.from_pretrained`` of 129280 entries takes 0.55 s where 127k added special tokens take
+    4.9 s (2026-12-07, 2-core dev box; the 2048-entry asset 0.02 s). They decode to their own text (not special:
+    ``skip_special_tokens`` keeps them). Why pad at all: verl's vLLM rollout never samples ids >= len(tokenizer),
+    while Megatron's log-probs normalise over all vocab_size rows."""
+    data = json.loads(text)
+    vocab, added = data["model"]["vocab"], data["added_tokens"]
+    ids = set(vocab.values()) | {a["id"] for a in added}
+    n = len(ids)
+    if ids != set(range(n)):
+        raise VocabSizeError(f"{what} has {n} entries whose ids are not 0..{n - 1}; cannot pad it")
+    if vocab_size < n:
+        raise VocabSizeError(f"the model's vocab_size is {vocab_size} but {what} has {n} entries: a tokenizer "
+                             f"cannot shrink; use vocab_size >= {n}")
+    if vocab_size == n:
+        return text
+    taken = [int(m.group(1)) for t in [*vocab, *(a["content"] for a in added)]
+             if (m := _PLACEHOLDER_RE.fullmatch(t))]
+    start = max(taken, default=-1) + 1
+    for a in added:  # the vocab gets no holes (tokenizers renumbers a vocab with holes): added ids in it too,
+        vocab.setdefault(a["content"], a["id"])  # as the trainer does for the special tokens (added tokens match first)
+    for i, name in enumerate(placeholders(start, start + vocab_size - n)):
+        vocab[name] = n + i
+    return _dump(data)
 
 
 def _tokenizer_config() -> dict:
@@ -264,13 +317,39 @@ def tokenizer_dir() -> Path:
     return cache
 
 
-def copy_tokenizer_files(dst: str | os.PathLike) -> list[str]:
-    """Copy the mini-model tokenizer files into DST (a checkpoint directory); returns the names copied."""
+def copy_tokenizer_files(dst: str | os.PathLike, vocab_size: int | None = None) -> list[str]:
+    """Copy the mini-model tokenizer files into DST (a checkpoint directory); returns the names copied.
+
+    VOCAB_SIZE (the model's ``config.vocab_size``): the copy gets exactly that many entries, padded with
+    placeholders (:func:`pad_tokenizer_json`) where the model's vocab is larger than the tokenizer's
+    :data:`VOCAB_SIZE` (the proxy presets' 129280); the same files byte for byte where it is equal."""
     src = tokenizer_dir()
     dst = Path(dst)
     for name in FILES:
-        write_text_atomic(dst / name, (src / name).read_text(encoding="utf-8"))
+        text = (src / name).read_text(encoding="utf-8")
+        if name == "tokenizer.json" and vocab_size is not None:
+            text = pad_tokenizer_json(text, vocab_size, f"the offline tokenizer ({src / name})")
+        write_text_atomic(dst / name, text)
     return list(FILES)
+
+
+def tokenizer_length(model_dir: str | os.PathLike) -> int | None:
+    """``len(AutoTokenizer.from_pretrained(MODEL_DIR))``, the ids verl's vLLM rollout may sample (it masks the
+    logits of the ids from there on); None where MODEL_DIR holds no tokenizer files."""
+    d = Path(model_dir).resolve()
+    files = [f for f in sorted(d.glob("*")) if f.is_file() and (f.name.startswith("tokenizer") or f.name in
+                                                                ("special_tokens_map.json", "added_tokens.json"))]
+    if not any(f.name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model") for f in files):
+        return None
+    # the launcher asks once per status() (validation, plan, run): 0.55 s each at 129280; a changed file reloads
+    return _loaded_length(str(d), tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files))
+
+
+@functools.lru_cache(maxsize=16)
+def _loaded_length(model_dir: str, files: tuple) -> int:  # noqa: ARG001 - FILES (name, size, mtime) keys the cache
+    from transformers import AutoTokenizer
+
+    return len(AutoTokenizer.from_pretrained(model_dir))
 
 
 @cli_main

@@ -72,14 +72,18 @@ DlcSection = _section("DlcSection", dict(image=str, worker_cpu=int, worker_memor
 SlurmSection = _section("SlurmSection", dict(partition=str, time=str, cpus_per_task=int, mem=Any, account=str, qos=str))
 #: ``run``: ``timeout_s`` a wall-clock limit for main_ppo; ``max_restarts`` how often a run that lost a process
 #: (a killed Ray worker, a dead vLLM engine, an OOM kill) is restarted from its last checkpoint (docs/launcher.md);
+#: ``max_start_retries`` how often a failed start of Ray or vLLM is retried (its own budget, default 2);
 #: ``verify_checkpoints`` how a checkpoint is checked before a resume loads it (dsv3_rl.launch.ckpt.VERIFY_MODES)
 RunSection = _section("RunSection", dict(project=_Str, experiment=_Str, timeout_s=_Positive,
                                          max_restarts=_num(int, ge=0, le=100),
+                                         max_start_retries=_num(int, ge=0, le=10),
                                          verify_checkpoints=typing.Literal["digests", "structure", "off"]))
 LearningSection = _section("LearningSection", dict(min_gain=_Positive, window=_Count, reason_off=_Str))
 #: the self-checks a finished run gets (dsv3_rl.grpo.checks); a preset without ``checks`` is not checked
 ChecksSection = _section("ChecksSection", dict(rollout_vs_trainer_prob_diff_mean_max=_Positive,
-                                               rollout_vs_trainer_pearson_min=_Fraction, min_weight_change=_NonNeg,
+                                               rollout_vs_trainer_pearson_min=_Fraction,
+                                               rollout_vs_trainer_token_mult_prob_error_max=_Positive,
+                                               min_weight_change=_NonNeg | None,  # null: no checkpoint compared
                                                route_agreement_min=_Fraction, learning=Any))
 
 #: the sections of a preset file; None: free-form (a value, or a mapping checked elsewhere)

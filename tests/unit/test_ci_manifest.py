@@ -213,13 +213,15 @@ def test_e2e_lanes_split_the_e2e_tests_and_name_tests_that_exist():
     lane_2, e2e_lane = _lanes()
     now, out = collected()
     assert [p for p in lane_2 if not any(i.startswith(p) for i in now)] == [], out[-3000:]
-    assert e2e_lane("tests/unit/test_algorithm_demos.py::test_algorithm_demo_learns[tiny_cpu_gspo]") == 2
-    assert e2e_lane("tests/unit/test_grpo_learning.py::test_planted_fault_fails_the_run[constant_reward]") == 2
-    # the fault chain, and the flip run with its R3 test, stay with the tests that share their fixtures
-    assert e2e_lane("tests/unit/test_launch_faults.py::test_killed_worker_dead_engine_and_truncated_checkpoint_end_passed") == 1
+    assert e2e_lane("tests/unit/test_algorithm_demos.py::test_algorithm_demo_learns[tiny_cpu_one_step_off_gspo]") == 2
+    assert e2e_lane("tests/unit/test_algorithm_demos.py::test_killed_engine_restarts_the_one_step_off_run") == 2
+    # the fault chain with the resume test, and the DAPO run at PP2 with its R3 test, each stay in one lane with the
+    # tests that share their fixtures (else both lanes would launch them)
+    assert e2e_lane("tests/unit/test_launch_faults.py::test_killed_worker_and_truncated_checkpoint_end_passed") == 1
     assert e2e_lane("tests/unit/test_grpo_learning.py::test_interrupted_run_resumes_and_matches_an_uninterrupted_one") == 1
-    assert e2e_lane("tests/unit/test_grpo_learning.py::test_planted_fault_fails_the_run[flip_advantage_sign]") == 1
-    assert e2e_lane("tests/unit/test_grpo_learning.py::test_r3_router_replay_at_pp2") == 1
+    assert e2e_lane("tests/unit/test_grpo_learning.py::test_sound_short_run_passes") == 1
+    assert e2e_lane("tests/unit/test_algorithm_demos.py::test_algorithm_demo_learns[tiny_cpu_dapo_pp2]") == 2
+    assert e2e_lane("tests/unit/test_algorithm_demos.py::test_r3_router_replay_at_pp2") == 2
 
 
 def test_twin_an_unnamed_e2e_test_runs_in_lane_1_and_a_lone_lane_is_named():

@@ -150,10 +150,10 @@ def test_pss_is_sampled_every_pss_every_s_not_every_poll(tmp_path, monkeypatch):
 
 
 def test_fault_chain_judges_the_processes_of_its_own_attempts_only(tmp_path):
-    """The fault chain's no-process-left checks (tests/unit/grpo_fault_chain.py ``_Markers``) ask for the runs whose
+    """The fault chain's no-process-left checks (tests/unit/grpo_fault_chain.py ``RunMarkers``) ask for the runs whose
     markers its launcher recorded, one per main_ppo attempt: a live process of a recorded attempt is found, a live
     process of another run on the machine (the other e2e lane) is not (twin), and a finished attempt is not."""
-    from grpo_fault_chain import _Markers
+    from grpo_fault_chain import RunMarkers
 
     from dsv3_rl.launch import workdir
 
@@ -161,7 +161,7 @@ def test_fault_chain_judges_the_processes_of_its_own_attempts_only(tmp_path):
     ours, other = f"chain-{os.getpid()}", f"other-lane-{os.getpid()}"
     procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
                               env={**os.environ, monitor.RUN_ID_ENV: rid}) for rid in (ours, other)]
-    markers = _Markers(tmp_path)
+    markers = RunMarkers(tmp_path)
     markers.start()
     try:
         for rid in (ours, "finished-attempt"):

@@ -102,6 +102,7 @@ def test_cpu_preset_is_the_demo_with_checks_and_shipped_weights():
     ("run: {timeout_s: true}", "run.timeout_s=True: input should be a valid number"),
     ("run: {timeout_s: .nan}", "run.timeout_s=nan: input should be a finite number"),
     ("run: {max_restarts: -1}", "run.max_restarts=-1: input should be greater than or equal to 0"),
+    ("run: {max_start_retries: 11}", "run.max_start_retries=11: input should be less than or equal to 10"),
     ("run: {verify_checkpoints: yes}", "run.verify_checkpoints=True: input should be 'digests', 'structure' or 'off'"),
     ("checks: {learning: {window: 0}}", "checks.learning.window=0: input should be greater than or equal to 1"),
     ("checks: {rollout_vs_trainer_pearson_min: '0.97'}",

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from dsv3_rl.grpo import progress
 from dsv3_rl.launch import ckpt, monitor, train, workdir
 
 # torch's DCP saving without a process group (the stand-in's checkpoints) says so; verl's saves have one
@@ -399,7 +400,7 @@ FAKE_PPO = textwrap.dedent("""
             time.sleep(2.5)  # seen alive for monitor.VANISH_MIN_AGE_S (patched to 1 s)
             raylet.kill()
             time.sleep(600)  # ray.init waits on: only the launcher ends this
-    if mode in ("vanish", "hang") and launches == 1:  # a trainer worker as Ray names it (ray::WorkerDict)
+    if mode in ("vanish", "hang", "teardown") and launches == 1:  # a trainer worker as Ray names it (ray::WorkerDict)
         import subprocess
         worker = subprocess.Popen(["bash", "-c", "exec -a ray::WorkerDict sleep 600"])
     start = (ckpt.tracker_step(root) or 0) + 1
@@ -442,17 +443,21 @@ FAKE_PPO = textwrap.dedent("""
         with open(metrics, "a") as f:
             f.write(json.dumps({{"step": step, "data": {{"critic/score/mean": 0.1 * step, "timing_s/step": 0.3,
                                                         "actor/pg_loss": 0.0}}}}) + "\\n")
+    if mode == "teardown":  # after the last step's metrics line: Ray kills the workers, the driver takes its time
+        time.sleep(2.5)       # (the worker was seen alive for monitor.VANISH_MIN_AGE_S, patched to 1 s)
+        worker.kill()
+        time.sleep(6)         # longer than monitor.LOST_GRACE_S (patched to 2 s), then a clean exit
 """)
 
 
-def _fake_launch(tmp_path: Path, max_restarts: int, verify: str = "digests"):
+def _fake_launch(tmp_path: Path, max_restarts: int, verify: str = "digests", **run):
     from omegaconf import OmegaConf
 
     logs, root = tmp_path / "logs", tmp_path / "ckpt"
     script = tmp_path / "fake_main_ppo.py"
     script.write_text(FAKE_PPO.format(tests=str(Path(__file__).parent), root=str(root)))
     preset = types.SimpleNamespace(name="fake", path=script, checks=None,
-                                   run={"max_restarts": max_restarts, "verify_checkpoints": verify})
+                                   run={"max_restarts": max_restarts, "verify_checkpoints": verify, **run})
     cfg = OmegaConf.create({"trainer": {"total_training_steps": 6, "resume_mode": "auto", "max_actor_ckpt_to_keep": 2}})
     paths = types.SimpleNamespace(logs=logs, ckpt=root, hf=tmp_path / "no-hf")
     return types.SimpleNamespace(preset=preset, cfg=cfg, paths=paths, argv=[sys.executable, str(script)],
@@ -549,6 +554,32 @@ def test_a_worker_killed_during_a_save_is_a_loss_not_a_hang(tmp_path, capsys, mo
     assert not (tmp_path / "ckpt/global_step_4.incomplete").exists()
     assert not monitor.run_ids(f"VERL_FILE_LOGGER_PATH={tmp_path / 'logs' / 'metrics.jsonl'}")  # the save child too
     assert "GRPO fake PASSED: 6/6 steps" in out.strip().splitlines()[-1]
+
+
+@pytest.mark.slow  # ~15 s on 2 cores
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("rule", ["newest_step", "twin_completed_steps_only"])
+def test_workers_gone_after_the_last_steps_metrics_are_the_teardown_not_a_loss(tmp_path, capsys, monkeypatch, rule):
+    """The clean-clone CI of 2026-12-07 (stop 46) failed the DAPO demo after its 6/6 steps: `a Ray worker
+    (WorkerDict) lost during step 7`. verl had logged step 6 and returned; Ray took the trainer's workers down while
+    main_ppo still ran for more than LOST_GRACE_S, and the vanished-process watch, off only once step 6 was *complete*
+    in the metrics follower (the newest step stays pending until the run ends), called that a loss. The watch now
+    ends with the last step's first metrics line. Twin: the old rule (completed steps only) restarts the run."""
+    monkeypatch.setattr(monitor, "LOST_GRACE_S", 2.0)
+    monkeypatch.setattr(monitor, "VANISH_MIN_AGE_S", 1.0)
+    monkeypatch.setattr(train, "START_RETRY_WAIT_S", 0.0)
+    if rule.startswith("twin"):
+        monkeypatch.setattr(progress.MetricsFollower, "newest_step",
+                            property(lambda self: max(self._done, default=None)))
+    launch = _fake_launch(tmp_path, max_restarts=1)
+    rc = train.run_single_node(launch, _env(tmp_path, FAKE_MODE="teardown"))
+    out = capsys.readouterr().out
+    last = out.strip().splitlines()[-1]
+    if rule == "newest_step":
+        assert rc == 0 and "RESTART" not in out and "lost" not in out, out[-3000:]
+        assert "GRPO fake PASSED: 6/6 steps" in last, last
+    else:
+        assert "RESTART 1/1: a Ray worker (WorkerDict, pid" in out and "lost during step 7" in out, out[-3000:]
 
 
 @pytest.mark.slow  # 10-30 s on 2 cores
@@ -651,15 +682,20 @@ def test_twin_stall_bound_needs_a_measured_step():
 @pytest.mark.slow  # 10-30 s on 2 cores
 @pytest.mark.timeout(240)
 def test_a_failed_ray_start_is_retried_and_counted(tmp_path, capsys, monkeypatch):
+    """A failed start is retried on its own budget (run.max_start_retries, default 2), not run.max_restarts: here
+    there is no restart at all (stop 47's CI: the fault chain's planted losses had used both restarts, then a raylet
+    that gave up starting ended the run)."""
     monkeypatch.setattr(train, "START_RETRY_WAIT_S", 0.0)
-    launch = _fake_launch(tmp_path, max_restarts=1)
+    launch = _fake_launch(tmp_path, max_restarts=0)
     assert train.run_single_node(launch, _env(tmp_path, FAKE_MODE="startfail")) == 0
     out = capsys.readouterr().out
-    assert "RESTART 1/1: a failed start of Ray or vLLM (Exception: The current node timed out during startup" in out
-    assert "before step 1" in out and "retrying the start with a fresh Ray cluster" in out
+    assert ("START RETRY 1/2: a failed start of Ray or vLLM (Exception: The current node timed out during startup"
+            in out), out
+    assert "before step 1" in out and "retrying the start with a fresh Ray cluster" in out and "RESTART" not in out
     rep = json.loads((tmp_path / "logs/report.json").read_text())
-    assert "timed out during startup" in rep["run"]["restarts"][0]["cause"]
-    assert "GRPO fake PASSED: 6/6 steps" in out.strip().splitlines()[-1]
+    assert "timed out during startup" in rep["run"]["start_retries"][0]["cause"] and not rep["run"]["restarts"]
+    last = out.strip().splitlines()[-1]
+    assert "GRPO fake PASSED: 6/6 steps" in last and "1 start retry(s)" in last and "restart(s)" not in last, last
 
 
 def _raylet_lost_run(tmp_path, capsys, monkeypatch, fail_at: str) -> str:
@@ -668,7 +704,8 @@ def _raylet_lost_run(tmp_path, capsys, monkeypatch, fail_at: str) -> str:
     monkeypatch.setattr(train, "START_RETRY_WAIT_S", 0.0)
     launch = _fake_launch(tmp_path, max_restarts=1)
     assert train.run_single_node(launch, _env(tmp_path, FAKE_FAIL_AT=fail_at, FAKE_MODE="raylet")) == 0
-    return "\n".join(ln for ln in capsys.readouterr().out.splitlines() if "RESTART" in ln or "retrying" in ln)
+    return "\n".join(ln for ln in capsys.readouterr().out.splitlines()
+                     if "RESTART" in ln or "START RETRY" in ln or "retrying" in ln)
 
 
 @pytest.mark.slow  # ~15 s on 2 cores
@@ -679,7 +716,7 @@ def test_a_raylet_lost_before_the_attempts_first_step_is_a_failed_start(tmp_path
     waited for), and the RESTART line still names the process (the 2026-12-07 clean-clone CI failed the fault chain
     on "the node's Ray (raylet, pid 3849) lost during step 7" in a resumed attempt's start-up)."""
     out = _raylet_lost_run(tmp_path, capsys, monkeypatch, fail_at="0")
-    assert re.search(r"RESTART 1/1: a failed start of Ray or vLLM \(the node's Ray \(raylet, pid \d+\) lost\) "
+    assert re.search(r"START RETRY 1/2: a failed start of Ray or vLLM \(the node's Ray \(raylet, pid \d+\) lost\) "
                      r"before step 1", out), out
     assert "retrying the start with a fresh Ray cluster" in out, out
 
@@ -690,16 +727,18 @@ def test_twin_a_raylet_lost_after_a_step_is_a_loss_during_that_step(tmp_path, ca
     """Twin: the same raylet lost during step 3 (steps 1-2 trained in this attempt) is a loss, not a failed start."""
     out = _raylet_lost_run(tmp_path, capsys, monkeypatch, fail_at="3")
     assert re.search(r"RESTART 1/1: the node's Ray \(raylet, pid \d+\) lost during step 3", out), out
-    assert "a failed start" not in out and "retrying the start" not in out, out
+    assert "a failed start" not in out and "retrying the start" not in out and "START RETRY" not in out, out
 
 
 @pytest.mark.timeout(240)
-def test_twin_a_failed_start_without_restarts_names_the_cause_in_the_summary(tmp_path, capsys):
-    launch = _fake_launch(tmp_path, max_restarts=0)
+def test_twin_a_failed_start_without_start_retries_names_the_cause_in_the_summary(tmp_path, capsys):
+    """Twin of test_a_failed_ray_start_is_retried_and_counted: run.max_start_retries 0 (restarts left: they are not
+    for failed starts) ends the run in one line naming the cause and the budget."""
+    launch = _fake_launch(tmp_path, max_restarts=3, max_start_retries=0)
     assert train.run_single_node(launch, _env(tmp_path, FAKE_MODE="startfail")) == 1
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert "GRPO fake FAILED: 0/6 steps" in last and "The current node timed out during startup" in last
-    assert "no restart left (run.max_restarts=0)" in last
+    assert "no start retry left (run.max_start_retries=0)" in last, last
 
 
 @pytest.mark.slow  # 10-26 s on 2 cores: out of the developer loop (make test-fast < 5 min, issue 28)

@@ -238,3 +238,70 @@ def test_verl_apply_patch_planted_fault_rope_key_fix_reverted(verl_ref, tmp_path
     errs = _grad_errors(d / "hf", d / "tp1" / "grads", tmp_path / "out" / "grads")
     hit = {k: v for k, v in errs.items() if "linear_kv_down_proj" in k}
     assert hit and max(hit.values()) > 1e-3, hit
+
+
+# ------------------------------------------------------------------ patch 0018: the planted-fault switches
+
+def _grpo_advantages(monkeypatch, fault: str | None) -> torch.Tensor:
+    """verl's own GRPO advantage (patched core_algos) of two groups of 4 outcome rewards, with DSV3_PLANT_FAULT=FAULT."""
+    import numpy as np
+
+    from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
+
+    if fault is None:
+        monkeypatch.delenv("DSV3_PLANT_FAULT", raising=False)
+    else:
+        monkeypatch.setenv("DSV3_PLANT_FAULT", fault)
+    rewards = torch.zeros(8, 5)
+    rewards[:, -1] = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0])  # the outcome at each response's end
+    mask = torch.ones(8, 5)
+    adv, _ = compute_grpo_outcome_advantage(rewards, mask, np.array(["a"] * 4 + ["b"] * 4))
+    return adv
+
+
+def test_flip_advantage_sign_switch_negates_verls_grpo_advantage(monkeypatch):
+    """Patch 0018's DSV3_PLANT_FAULT=flip_advantage_sign (the GPU twin of issue 38, `make demo` by hand; its CPU GRPO
+    launch left CI on 2026-12-07, docs/ci.md "fourth session"): verl's GRPO advantage comes out negated, every token
+    of every response; the learning gate's failure on such a run is checked on the recorded demo metrics
+    (test_grpo_checks.py, reward_reversed). Twin: another fault's value, or none, leaves the advantage as verl's."""
+    plain = _grpo_advantages(monkeypatch, None)
+    assert plain.abs().sum() > 0 and plain[0, 0] > 0 > plain[1, 0]  # a winner above its group's mean, a loser below
+    assert torch.equal(_grpo_advantages(monkeypatch, "flip_advantage_sign"), -plain)
+    assert torch.equal(_grpo_advantages(monkeypatch, "stale_rollout_weights"), plain)  # twin: only its own switch
+
+
+def _syncs_sent(monkeypatch, fault: str | None, n: int = 3) -> list[int]:
+    """The global steps whose weights reach the rollout when verl's own ``ActorRolloutRefWorker.update_weights``
+    (patched engine_workers, through its checkpoint-engine path) is called for steps 1..N with DSV3_PLANT_FAULT=FAULT."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from verl.workers.engine_workers import ActorRolloutRefWorker
+
+    if fault is None:
+        monkeypatch.delenv("DSV3_PLANT_FAULT", raising=False)
+    else:
+        monkeypatch.setenv("DSV3_PLANT_FAULT", fault)
+    sent: list[int] = []
+
+    async def send_weights(params, global_steps=None):
+        sent.append(global_steps)
+        return {"sent": 1.0}
+
+    worker = SimpleNamespace(
+        config=SimpleNamespace(rollout=SimpleNamespace(checkpoint_engine=SimpleNamespace(backend="nccl"))),
+        checkpoint_engine=SimpleNamespace(send_weights=send_weights),
+        actor=SimpleNamespace(engine=SimpleNamespace(get_per_tensor_param=lambda: ({}, None))))
+    for step in range(1, n + 1):
+        asyncio.run(ActorRolloutRefWorker.update_weights(worker, global_steps=step))
+    return sent
+
+
+def test_stale_rollout_weights_switch_keeps_the_first_sync_only(monkeypatch):
+    """Patch 0018's DSV3_PLANT_FAULT=stale_rollout_weights (until 2026-12-07 a CPU GRPO launch of CI's, docs/ci.md
+    "fifth session"): verl's weight sync reaches the rollout once, at the first call, and never again, so the rollout
+    keeps the initial weights; the rollout == trainer check's failure on such a run is checked on the drift measured in
+    a real stale run (test_grpo_checks.py, ``rollout_stale``). Twin: another fault's value, or none, syncs every step."""
+    assert _syncs_sent(monkeypatch, None) == [1, 2, 3]
+    assert _syncs_sent(monkeypatch, "stale_rollout_weights") == [1]
+    assert _syncs_sent(monkeypatch, "flip_advantage_sign") == [1, 2, 3]  # twin: only its own switch
