@@ -21,7 +21,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "unit"))
 
-from grpo_fault_chain import LAUNCHER, _run_id, _watched, watched_pid  # noqa: E402  (the fault chain's process helpers)
+from grpo_fault_chain import LAUNCHER, _run_id, watched_launch, watched_pid  # noqa: E402  (the fault chain's process helpers)
 
 from dsv3_rl.launch import ckpt  # noqa: E402
 
@@ -44,7 +44,7 @@ def main() -> int:
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "DSV3_PLANT_FAULT")}
     env.update(WORK_DIR=str(work), CKPT_DIR=str(ck), LOG_DIR=str(logs))
     t0 = time.monotonic()
-    proc, lines, wait_for, seen = _watched(["bash", str(LAUNCHER), "--preset", str(preset), "--quiet"], env)
+    proc, lines, wait_for, seen = watched_launch(["bash", str(LAUNCHER), "--preset", str(preset), "--quiet"], env)
     killed, t_kill = None, None
     try:
         k = a.kill_at

@@ -28,7 +28,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "unit"))
 
-from grpo_fault_chain import LAUNCHER, _run_id, _watched, watched_pid  # noqa: E402  (the fault chain's process helpers)
+from grpo_fault_chain import LAUNCHER, _run_id, watched_launch, watched_pid  # noqa: E402  (the fault chain's process helpers)
 
 from dsv3_rl.launch import ckpt  # noqa: E402
 
@@ -153,7 +153,7 @@ def main() -> int:
         rep = json.loads((logs / "report.json").read_text())
         return analyze(a, out, plan, restarts, events, 0 if rep.get("ok") else 1, text, None)
     t0 = time.monotonic()
-    proc, lines, wait_for, seen = _watched(["bash", str(LAUNCHER), "--preset", str(preset), "--quiet"], env)
+    proc, lines, wait_for, seen = watched_launch(["bash", str(LAUNCHER), "--preset", str(preset), "--quiet"], env)
     events: list[dict] = []
     try:
         mark = 0

@@ -71,6 +71,13 @@ def engine(tmp_path_factory):
         # no FP8 GEMM kernel on CPU: its post-load repacking is a no-op (the dequant reads weight + scale)
         mp.setattr(vllm_fp8, "init_fp8_linear_kernel",
                    lambda *a, **k: SimpleNamespace(process_weights_after_loading=lambda layer: None))
+        # a CPU with native BF16 (AVX512-BF16: the dev box of 2026-12-07, not the earlier ones) packs each unquantized
+        # linear's weight for oneDNN and empties the parameter; the refit then loads the router gate into a 0-element
+        # parameter. Keep the weights, as on a GPU (no packing there): the MLA layer's derivation is unchanged
+        import vllm.model_executor.layers.utils as vllm_layer_utils
+        keep = vllm_layer_utils.dispatch_cpu_unquantized_gemm
+        mp.setattr(vllm_layer_utils, "dispatch_cpu_unquantized_gemm",
+                   lambda layer, remove_weight: keep(layer, remove_weight=False))
         d = tmp_path_factory.mktemp("dsv3_fp8_mla")
         (d / "config.json").write_text(json.dumps(CFG))
         mc = ModelConfig(model=str(d), skip_tokenizer_init=True, dtype="bfloat16", quantization=quantization,
