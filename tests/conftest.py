@@ -91,18 +91,19 @@ def fault_chain(tmp_path_factory, grpo_work):
     return run_chain(tmp_path_factory.mktemp("fault_chain"), work=grpo_work)
 
 
-#: The files of `make test`'s xdist phase that take longest, longest first (pytest's durations summed per file,
-#: 2026-11-26, 2-core box: test_convert.py ~245 s with its one 145-315 s test down to test_planner_validation.py
-#: ~25 s; the other ~60 files take ~200 s together). pytest-xdist's ``--dist loadfile`` hands a file to whichever
+#: The files of `make test`'s xdist phase that take longest, longest first (pytest's durations summed per file on
+#: the 2-core box: 2026-12-07's slow day, docs/results/2026-12-07-ci/phase1-cpu-by-file.txt, test_mcore_patches.py
+#: ~480 s down to test_planner_validation.py ~30 s, reordered after that day's trims of test_verl_cpu_megatron.py
+#: and test_convert.py, docs/ci.md "fifth session"; the other ~60 files take ~200 s together). pytest-xdist's ``--dist loadfile`` hands a file to whichever
 #: worker frees up, by default the files with the most tests first (90 one-second tests before one 150-s test), so a
 #: long file could start last and keep one core busy while the other had nothing left. The Makefile passes
 #: ``--no-loadscope-reorder`` (collection order) and this hook puts these first: the last files handed out are
 #: short ones (issue 28, docs/ci.md).
-LONGEST_FILES = ("test_convert.py", "test_mcore_patches.py", "test_verl_cpu_megatron.py", "test_correctness_four.py",
-                 "test_consistency.py", "test_correctness_layouts.py", "test_mcore_fastpath.py",
-                 "test_bench_grpo_update.py", "test_launch_resilience.py", "test_launch_ray.py",
-                 "test_verl_patches_config.py", "test_verl_cpu_platform.py", "test_mcore_fastpath_mla_guard.py",
-                 "test_verl_ckpt_restore.py", "test_launch_dryrun.py", "test_planner_validation.py")
+LONGEST_FILES = ("test_mcore_patches.py", "test_convert.py", "test_consistency.py", "test_correctness_layouts.py",
+                 "test_correctness_four.py", "test_mcore_fastpath.py", "test_launch_resilience.py",
+                 "test_bench_grpo_update.py", "test_verl_cpu_megatron.py", "test_launch_dryrun.py",
+                 "test_verl_patches_config.py", "test_verl_cpu_platform.py", "test_launch_ray.py",
+                 "test_verl_ckpt_restore.py", "test_mcore_fastpath_mla_guard.py", "test_planner_validation.py")
 
 
 #: ``make test`` runs the ``e2e`` GRPO runs in two pytest processes side by side (``--e2e-lane 1/2``, ``2/2``;

@@ -1,7 +1,7 @@
 """dsv3-consistency: do vLLM (rollout) and megatron-core (trainer) route and score tokens alike?
 
     dsv3-consistency run [--model DIR] [--dtype bf16|fp32] [--prompts N|FILE.json] [--max-tokens 16]
-                         [--json FILE] [--out DIR]
+                         [--json FILE] [--out DIR] [--rollout-cache DIR]
     dsv3-consistency check-faults [same options]
 
 ``run`` loads one HF checkpoint into vLLM (CPU build) and into the megatron GPTModel, lets vLLM
@@ -16,11 +16,16 @@ and gap stay within bounds. Exit 1 when a gate fails, 2 on bad input.
 ``check-faults`` plants faults that must each FAIL a gate (or be refused): routes shifted by one
 token, replay in the log-prob pass only, vLLM serving without the expert bias, vLLM routing without
 the group limit. It prints one table and exits 0 only when every fault fails.
+
+``--rollout-cache DIR`` keeps vLLM's rollouts in DIR and reuses one made for the same model files, prompts, dtype,
+--max-tokens, --seed and fault (``run`` then ``check-faults`` start vLLM for the clean rollout once; a rerun after a
+trainer-side change starts it not at all).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import subprocess
@@ -117,15 +122,30 @@ def check_model(model: Path, prompts: list[str], max_tokens: int) -> int:
 
 def check_writable(args) -> None:
     """--out and --json's directory must be writable: refused before the run, not after it (the report kept)."""
-    for flag, path in (("--out", args.out), ("--json", args.json)):
+    for flag, path in (("--out", args.out), ("--json", args.json), ("--rollout-cache", args.rollout_cache)):
         if path is not None and is_read_only(path):
             raise ConsistencyError(f"{flag} {path}: read-only or not writable; choose a writable location")
 
 
+def rollout_key(model: Path, prompts: list[str], dtype: str, max_tokens: int, seed: int, fault: str | None,
+                max_model_len: int) -> str:
+    """What a rollout depends on: the model dir's files (name, size, mtime), the prompts and vLLM's settings."""
+    files = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in model.iterdir() if p.is_file())
+    what = [str(model.resolve()), files, prompts, dtype, max_tokens, seed, fault, max_model_len]
+    return hashlib.sha256(json.dumps(what).encode()).hexdigest()[:16]
+
+
 def rollout(model: Path, prompts: list[str], dtype: str, max_tokens: int, seed: int, fault: str | None,
-            work: Path, max_model_len: int = DEFAULT_MODEL_LEN) -> dict:
-    """vLLM's side, in its own process (it owns torch.distributed there)."""
+            work: Path, max_model_len: int = DEFAULT_MODEL_LEN, cache: Path | None = None) -> dict:
+    """vLLM's side, in its own process (it owns torch.distributed there); with CACHE, one made before for the same
+    inputs (:func:`rollout_key`) is read back instead, and a new one is kept there (vllm_side writes it atomically)."""
     pfile, out = work / "prompts.json", work / f"rollout-{fault or 'clean'}.pt"
+    if cache is not None:
+        out = cache / f"rollout-{fault or 'clean'}-{rollout_key(model, prompts, dtype, max_tokens, seed, fault, max_model_len)}.pt"
+        if out.is_file():
+            print(f"vLLM rollout ({fault or 'clean'}) reused: {out}", flush=True)
+            return torch.load(out, weights_only=False)
+        out.parent.mkdir(parents=True, exist_ok=True)
     pfile.write_text(json.dumps(prompts))
     cmd = [sys.executable, "-m", "dsv3_rl.consistency.vllm_side", "--model", str(model), "--prompts", str(pfile),
            "--out", str(out), "--dtype", dtype, "--max-tokens", str(max_tokens), "--seed", str(seed),
@@ -220,7 +240,7 @@ def write_plots(report: dict, out: Path) -> list[Path]:
 def _measure(args, work: Path, trainer, vllm_fault: str | None = None, trainer_fault: str | None = None,
              roll: dict | None = None) -> dict:
     roll = roll or rollout(args.model, args.prompt_list, args.dtype, args.max_tokens, args.seed, vllm_fault, work,
-                           args.max_model_len)
+                           args.max_model_len, args.rollout_cache)
     return summarise(roll, trainer.passes(roll, trainer_fault), trainer.hf), roll
 
 
@@ -326,6 +346,8 @@ def main(argv: list[str] | None = None) -> int:
                        help=f"no-replay route agreement gate (default {Gates.native_agreement_min}, for the demo's model in bf16)")
         p.add_argument("--json", type=Path, help="write the report here")
         p.add_argument("--out", type=Path, default=Path("out/consistency"), help="plots go here (default out/consistency)")
+        p.add_argument("--rollout-cache", type=Path, help="keep vLLM's rollouts here; reuse one made for the same "
+                       "model files, prompts, dtype, --max-tokens, --seed and fault")
     args = ap.parse_args(argv)
     args.prompt_list = load_prompts(args.prompts)
     check_writable(args)

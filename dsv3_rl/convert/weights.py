@@ -687,7 +687,7 @@ def compare_hf(a: Path, b: Path) -> list[str]:
         if (ta.dtype, ta.shape) != (tb.dtype, tb.shape):
             diffs.append(f"{n}: {ta.dtype}{list(ta.shape)} vs {tb.dtype}{list(tb.shape)}")
             continue
-        if ra.read(n).view(torch.uint8).reshape(-1).numpy().tobytes() != rb.read(n).view(torch.uint8).reshape(-1).numpy().tobytes():
+        if not torch.equal(ra.read(n).view(torch.uint8), rb.read(n).view(torch.uint8)):  # bytes, without copying them
             diffs.append(f"{n}: bytes differ")
     ra.close()
     rb.close()

@@ -104,24 +104,54 @@ def _cli(*args, timeout=1200):
                           timeout=timeout)
 
 
-def test_cli_refuses_bad_input_with_one_line(tmp_path):
+def test_cli_refuses_bad_input_with_one_line(tmp_path, capsys):
+    """Exit 2 and one line on stderr. One real launch for the shell's view of it; the other inputs through the same
+    main() in this process (each launch imports torch: ~10 s on a loaded 2-core box), refused before any model loads."""
+    from dsv3_rl.consistency import cli
+
     bad = tmp_path / "p.json"
     bad.write_text('{"not": "a list"}')
-    for args, needle in ((["run", "--prompts", str(bad)], "must be a non-empty JSON list"),
-                         (["run", "--model", str(tmp_path)], "no config.json")):
-        proc = _cli(*args, timeout=120)
-        assert proc.returncode == 2, proc.stderr
-        assert proc.stderr.strip().startswith("error:") and needle in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    for i, (args, needle) in enumerate(((["run", "--prompts", str(bad)], "must be a non-empty JSON list"),
+                                        (["run", "--model", str(tmp_path)], "no config.json"))):
+        if i == 0:
+            proc = _cli(*args, timeout=120)
+            rc, err = proc.returncode, proc.stderr
+        else:
+            rc, err = cli.main(args), capsys.readouterr().err
+        assert rc == 2, err
+        assert err.strip().startswith("error:") and needle in err and len(err.strip().splitlines()) == 1
     for args, needle in ((["run", "--min-agreement", "2"], "argument --min-agreement: '2' is not a number within 0..1"),
                          (["run", "--max-tokens", "0"], "argument --max-tokens: '0' is not an integer >= 1")):
-        proc = _cli(*args, timeout=120)  # argparse: its usage line, then the error naming the flag
-        assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].endswith(needle), proc.stderr
+        with pytest.raises(SystemExit) as e:  # argparse: its usage line, then the error naming the flag
+            cli.main(args)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.strip().splitlines()[-1].endswith(needle), err
+
+
+@pytest.fixture(scope="module")
+def rollout_cache(tmp_path_factory):
+    """Shared by run and check-faults: the clean vLLM rollout (the same inputs in both) is made once."""
+    return tmp_path_factory.mktemp("rollouts")
+
+
+def test_rollout_key_names_every_input(tmp_path):
+    from dsv3_rl.consistency.cli import rollout_key
+
+    (tmp_path / "config.json").write_text("{}")
+    args = dict(model=tmp_path, prompts=["a"], dtype="bf16", max_tokens=4, seed=0, fault=None, max_model_len=512)
+    key = rollout_key(**args)
+    assert rollout_key(**args) == key
+    for k, v in (("prompts", ["b"]), ("dtype", "fp32"), ("max_tokens", 5), ("seed", 1), ("fault", "no_group_limit"),
+                 ("max_model_len", 256)):
+        assert rollout_key(**{**args, k: v}) != key, k  # twin: another input is another rollout
+    (tmp_path / "model.safetensors").write_bytes(b"x")  # the model's files changed
+    assert rollout_key(**args) != key
 
 
 @pytest.mark.slow
-def test_run_passes_its_gates_on_the_demo_model(tmp_path):
+def test_run_passes_its_gates_on_the_demo_model(tmp_path, rollout_cache):
     out = tmp_path / "report.json"
-    proc = _cli("run", "--json", str(out), "--out", str(tmp_path / "plots"))
+    proc = _cli("run", "--json", str(out), "--out", str(tmp_path / "plots"), "--rollout-cache", str(rollout_cache))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rep = json.loads(out.read_text())
     assert rep["dtype"] == "bf16" and rep["passed"]
@@ -135,10 +165,13 @@ def test_run_passes_its_gates_on_the_demo_model(tmp_path):
 
 
 @pytest.mark.slow
-def test_check_faults_sees_every_planted_fault_fail(tmp_path):
+def test_check_faults_sees_every_planted_fault_fail(tmp_path, rollout_cache):
     out = tmp_path / "faults.json"
-    proc = _cli("check-faults", "--json", str(out))
+    clean_made = list(rollout_cache.glob("rollout-clean-*.pt"))  # by the run test above, when it ran
+    proc = _cli("check-faults", "--json", str(out), "--rollout-cache", str(rollout_cache))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    reused = [ln for ln in proc.stdout.splitlines() if ln.startswith("vLLM rollout (")]
+    assert reused == ([f"vLLM rollout (clean) reused: {clean_made[0]}"] if clean_made else []), reused
     rep = json.loads(out.read_text())
     faults = {r["fault"]: r["failed"] for r in rep["faults"]}
     assert faults.pop("none (clean)") == []

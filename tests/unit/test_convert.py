@@ -2,8 +2,8 @@
 
 * the name/shape table equals what megatron-core's own ``sharded_state_dict()`` asks for (local spec,
   with and without MTP);
-* HF -> mcore -> HF is bit-identical (tiny; with MTP kept; over 2 ranks; proxy dims cut to 2 layers; the
-  4-layer proxy when asked);
+* HF -> mcore -> HF is bit-identical (tiny; with MTP kept; over 2 ranks; proxy dims cut to 2 layers and 4 experts;
+  the 4-layer proxy when asked);
 * one checkpoint, written once, loads at TP1, TP2+ETP2, EP2, TP2+EP2 (through verl's own loader), PP2+VPP2 and the
   logits equal ``DeepseekV3ForCausalLM``'s; re-saved by megatron at TP2+EP2 it converts back bit-exact;
 * bad input is refused naming the tensor/key; interrupted runs never look complete and rerun cleanly.
@@ -230,31 +230,38 @@ def test_roundtrip_proxy_bit_exact(tmp_path):
 
 @pytest.mark.slow
 def test_roundtrip_proxy_two_layers_bit_exact(tmp_path):
-    """The proxy preset's real DeepSeek-V3 dims (hidden 7168, MLA ranks 1536/512, 129280 vocab, expert FFN 2048,
-    16 experts, yarn), cut to 2 layers (1 dense + 1 MoE) for CPU time and disk: ~6.6 GB, 2 HF shards, 2 ranks
-    each way, multi-file output. The 4-layer proxy: DSV3_PROXY_ROUNDTRIP=1 above, or bench/bench_convert.py."""
+    """The proxy preset's real DeepSeek-V3 dims (hidden 7168, 128 heads, MLA ranks 1536/512, 129280 vocab, dense FFN
+    18432, expert FFN 2048, yarn), cut to 2 layers (1 dense + 1 MoE) and 4 routed experts (the proxy has 16: the
+    experts are the same tensors 4x over, and 12 of them were 1.1 GB of each copy) for CPU time and disk: ~5.7 GB,
+    2 HF shards, 2 ranks each way, multi-file output. The 4-layer proxy: DSV3_PROXY_ROUNDTRIP=1 above, or
+    bench/bench_convert.py."""
     import shutil
 
     free = shutil.disk_usage(tmp_path).free / 2**30
-    assert free >= 30, (f"the 2-layer proxy round trip writes ~20 GB; only {free:.0f} GiB free under {tmp_path}: "
+    assert free >= 30, (f"the 2-layer proxy round trip writes ~17 GB; only {free:.0f} GiB free under {tmp_path}: "
                         "free disk space or point --basetemp at a larger disk")
     from dsv3_rl.minimodel.mini_model import write_random_hf
     from dsv3_rl.convert.weights import compare_hf
     from dsv3_rl.models.presets import hf_config
 
-    cfg = hf_config("proxy", {"num_hidden_layers": 2})
-    assert (cfg.hidden_size, cfg.kv_lora_rank, cfg.q_lora_rank, cfg.vocab_size, cfg.first_k_dense_replace) == (
-        7168, 512, 1536, 129280, 1)
+    # group-limited routing kept (2 groups of 2, top-1 group, top-2 experts)
+    cfg = hf_config("proxy", {"num_hidden_layers": 2, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 2,
+                              "topk_group": 1})
+    assert (cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.q_lora_rank, cfg.vocab_size,
+            cfg.intermediate_size, cfg.moe_intermediate_size, cfg.first_k_dense_replace) == (
+        7168, 128, 512, 1536, 129280, 18432, 2048, 1)
     hf = write_random_hf(cfg, tmp_path / "hf", shard_gb=4.0)
     assert len(list(hf.glob("*.safetensors"))) == 2
     r = run_module("dsv3_rl.convert", ["hf-to-mcore", "--hf-dir", str(hf), "--out", str(tmp_path / "mc"), "--no-progress"],
                    nproc=2)
     assert r.returncode == 0, r.stderr[-3000:]
+    assert {p.name.split("_")[2] for p in (tmp_path / "mc").glob("__*_*.distcp")} == {"0", "1"}  # both ranks wrote
     r = run_module("dsv3_rl.convert", ["mcore-to-hf", "--mcore-dir", str(tmp_path / "mc"), "--out", str(tmp_path / "back"),
                                        "--no-progress"], nproc=2)
     assert r.returncode == 0, r.stderr[-3000:]
+    assert len(list((tmp_path / "back").glob("*.safetensors"))) > 1
     assert compare_hf(hf, tmp_path / "back") == []
-    # passed: its ~20 GB go now, not when pytest prunes this session's temp dir three sessions later (make test's GRPO
+    # passed: its ~17 GB go now, not when pytest prunes this session's temp dir three sessions later (make test's GRPO
     # runs and the next sessions would share the disk with them); a failed run keeps them to look at
     for d in (hf, tmp_path / "mc", tmp_path / "back"):
         shutil.rmtree(d)

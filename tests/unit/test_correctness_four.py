@@ -27,11 +27,16 @@ FAULTED = [("swap-experts", "ep4"), ("mla-tp-grad-patch-reverted", "tp2_pp2")]
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def work(tmp_path_factory):
+    return tmp_path_factory.mktemp("correctness4")
+
+
+@pytest.fixture(scope="module")
+def results(work):
     cands = [Candidate(n, layouts.get(n)) for n in CLEAN]
     cands += [Candidate(f"{f}@{n}", layouts.get(n), faults.get(f)) for f, n in FAULTED]
     lines: list[str] = []
-    suite = Suite(Options(work=str(tmp_path_factory.mktemp("correctness4")), spec="local"), out=lines.append)
+    suite = Suite(Options(work=str(work), spec="local"), out=lines.append)
     res = suite.execute(cands, show=True)
     return {r.layout: r for r in res}, "\n".join(lines)
 
@@ -84,11 +89,13 @@ def test_dense_tp2_without_sp_fails_only_on_the_q_norm_grad_on_the_local_spec(re
 
 
 @pytest.mark.slow
-def test_cli_exits_0_on_a_documented_known_failure_and_says_so(tmp_path):
+def test_cli_exits_0_on_a_documented_known_failure_and_says_so(work, tmp_path):
+    """The CLI in the suite's work dir: the random models and their conversions made there are reused (the CLI's
+    own reference and workers run)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env.update(TORCHDYNAMO_DISABLE="1", CUDA_VISIBLE_DEVICES="")
     r = subprocess.run([sys.executable, "-m", "dsv3_rl.correctness", "run", "--layout", "tp2_nosp_dense", "--spec", "local",
-                        "--work", str(tmp_path), "--json", str(tmp_path / "r.json")],
+                        "--work", str(work), "--json", str(tmp_path / "r.json")],
                        capture_output=True, text=True, env=env, cwd=REPO, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "============= Overall Result =============\nPASS (1 known failure(s) as documented: tp2_nosp_dense)" in r.stdout

@@ -65,6 +65,13 @@ def _failing(r) -> list:
     return [c for c in r.checks if not c.passed]
 
 
+def _report(log: str, label: str) -> str:
+    """The suite's printed report of one candidate (what the CLI prints for it)."""
+    blocks = [b for b in log.split("===== Layout ")[1:] if b.split(" vs ")[0].endswith(label)]
+    assert len(blocks) == 1, (label, len(blocks))
+    return blocks[0]
+
+
 def test_converter_is_plugged_in():
     """The suite converts through the project's converter, imported (not looked up): a broken import fails here."""
     from dsv3_rl.convert import weights
@@ -100,12 +107,16 @@ def test_layout_matches_the_reference(results, layout):
 @pytest.mark.slow
 @pytest.mark.parametrize("fault", FAULTS)
 def test_planted_fault_fails(results, fault):
-    res, _ = results
+    res, log = results
     f = faults.get(fault)
     r = res[f"{fault}@{'tp2_sp' if f.needs_tp else 'tp1'}"]
     assert not r.passed, f"planted fault {fault} PASSED"
     failing = {c.name.split(" (")[0] for c in _failing(r)}
     assert EXPECTED[fault] in failing, sorted(failing)[:10]
+    text = _report(log, f"PLANTED FAULT {fault}")  # and the report says so
+    assert f"FAIL: {EXPECTED[fault]}" in text and "============= Overall Result =============\nFAIL" in text, text[-3000:]
+    if fault == "swap-experts":  # a numeric check's line: its max and mean differences
+        assert "FAIL: Layer 1 MOE Routed Output - Max diff:" in text
     if fault == "mla-tp-grad-patch-reverted":  # the case where only the backward is wrong
         assert all(c.passed for c in r.checks if c.section in FORWARD_SECTIONS)
 
@@ -147,12 +158,15 @@ def _env() -> dict:
 
 @pytest.mark.slow
 def test_cli_exit_status_is_1_for_a_planted_fault(work):
-    cmd = [sys.executable, "-m", "dsv3_rl.correctness", "run", "--layout", "tp1", "--plant-fault", "swap-experts",
+    """The CLI's exit status on a FAIL. The fault is one the config mapping refuses, so no worker starts and no
+    reference runs (the swap-experts twin's numeric FAIL and its report lines: test_planted_fault_fails, from the
+    suite above; a CLI launch that runs workers: the shell entry point below)."""
+    cmd = [sys.executable, "-m", "dsv3_rl.correctness", "run", "--layout", "tp1", "--plant-fault", "rope-interleave-false",
            "--reference", REFERENCE, "--work", str(work)]
     r = subprocess.run(cmd, check=False, capture_output=True, text=True, env=_env(), cwd=REPO, timeout=900)
     assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
     assert "============= Overall Result =============\nFAIL" in r.stdout
-    assert "FAIL: Layer 1 MOE Routed Output - Max diff:" in r.stdout
+    assert f"FAIL: {EXPECTED['rope-interleave-false']}" in r.stdout
 
 
 @pytest.mark.slow

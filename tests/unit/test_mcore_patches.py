@@ -106,24 +106,37 @@ LAYOUTS = {
 }
 
 
+@pytest.fixture(scope="module")
+def layout_errs(ref, tmp_path_factory):
+    """layout name -> grad rel errors against the reference; each layout runs once in this module (a launch is
+    ~20-50 s on 2 cores), whichever test asks first."""
+    cfg, weights, ref_grads = ref
+    done: dict[str, dict[str, float]] = {}
+
+    def errs(layout: str) -> dict[str, float]:
+        if layout not in done:
+            out = tmp_path_factory.mktemp(f"layout_{layout}")
+            r = run_layout(cfg, weights, out, LAYOUTS[layout])
+            assert r.returncode == 0, r.stderr[-4000:]
+            done[layout] = grad_errors(cfg, ref_grads, out / "grads")
+        return done[layout]
+
+    return errs
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_layouts_match_single_process(ref, tmp_path, layout):
-    cfg, weights, ref_grads = ref
-    r = run_layout(cfg, weights, tmp_path, LAYOUTS[layout])
-    assert r.returncode == 0, r.stderr[-4000:]
-    errs = grad_errors(cfg, ref_grads, tmp_path / "grads")
+def test_layouts_match_single_process(layout_errs, layout):
+    errs = layout_errs(layout)
     worst = max(errs, key=errs.get)
     assert errs[worst] < GRAD_RTOL, f"{layout}: {worst} grad rel err {errs[worst]:.3e}"
 
 
 @pytest.mark.slow
-def test_tp2_grads_equal_tp1(ref, tmp_path):
-    """TP2 + sequence parallel + ETP1: every gradient, norms and routed experts included."""
-    cfg, weights, ref_grads = ref
-    r = run_layout(cfg, weights, tmp_path, ["--layout", "tp=2,etp=1"])
-    assert r.returncode == 0, r.stderr[-4000:]
-    errs = grad_errors(cfg, ref_grads, tmp_path / "grads")
+def test_tp2_grads_equal_tp1(layout_errs):
+    """TP2 + sequence parallel + ETP1 (the tp2_sp run above, not launched again): every gradient, norms and routed
+    experts included."""
+    errs = layout_errs("tp2_sp")
     assert max(errs.values()) < GRAD_RTOL, sorted(errs.items(), key=lambda kv: -kv[1])[:5]
     assert any("layernorm" in k for k in errs) and any("local_experts" in k for k in errs)
 
@@ -152,6 +165,20 @@ def run_scenario(name: str, cfg: Path, work: Path, pythonpath: Path | None = Non
                           text=True, env=_env(pythonpath), timeout=600, cwd=work)
 
 
+@pytest.fixture(scope="module")
+def patched_scenario(cfg_dir, tmp_path_factory):
+    """scenario name -> its run on the patched tree, once per module (te_spec and build_and_train are asked for by
+    two tests each)."""
+    done: dict[str, subprocess.CompletedProcess] = {}
+
+    def run(name: str) -> subprocess.CompletedProcess:
+        if name not in done:
+            done[name] = run_scenario(name, cfg_dir, tmp_path_factory.mktemp(f"scenario_{name}"))
+        return done[name]
+
+    return run
+
+
 # (scenario, patch whose absence breaks it, text of the failure without it)
 NEEDED = [
     ("te_spec", "0001-te-spec-mla-down-proj-column-parallel.patch", "linear_q_down_proj is"),
@@ -174,8 +201,8 @@ def cfg_dir(tmp_path_factory):
 
 
 @pytest.mark.parametrize("scenario", sorted({s for s, _, _ in NEEDED}))
-def test_scenario_passes_on_patched_tree(cfg_dir, tmp_path, scenario):
-    r = run_scenario(scenario, cfg_dir, tmp_path)
+def test_scenario_passes_on_patched_tree(patched_scenario, scenario):
+    r = patched_scenario(scenario)
     assert r.returncode == 0, r.stderr[-4000:]
     assert f"scenario {scenario}" in r.stdout
 
@@ -189,13 +216,13 @@ def test_patch_is_needed(cfg_dir, tmp_path, scenario, patch, error):
     assert error in r.stderr + r.stdout, (r.stderr + r.stdout)[-3000:]
 
 
-def test_te_spec_mla_down_proj_is_column_parallel(cfg_dir, tmp_path):
-    r = run_scenario("te_spec", cfg_dir, tmp_path)
+def test_te_spec_mla_down_proj_is_column_parallel(patched_scenario):
+    r = patched_scenario("te_spec")
     assert r.returncode == 0, r.stderr[-3000:]
 
 
-def test_local_spec_dsv3_trains_without_te(cfg_dir, tmp_path):
-    r = run_scenario("build_and_train", cfg_dir, tmp_path)
+def test_local_spec_dsv3_trains_without_te(patched_scenario):
+    r = patched_scenario("build_and_train")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "loss" in r.stdout
 

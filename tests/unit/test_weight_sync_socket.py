@@ -33,19 +33,31 @@ ray.shutdown()
 """
 
 
-def _probe(tmp_path, i: int) -> dict:
-    env = {"RAY_TMPDIR": f"/tmp/dsv3ws{i}", "RAY_USAGE_STATS_ENABLED": "0"}
+def _probes(n: int) -> list[dict]:
+    """N Ray clusters at once, one per process (a cluster's start is mostly waiting on its daemons: one at a time took
+    ~35 s each on a loaded 2-core box)."""
     import os
 
-    r = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=240,
-                       env={**os.environ, **env})
-    line = next((x for x in r.stdout.splitlines() if x.startswith("KEY ")), None)
-    assert line, r.stdout[-2000:] + r.stderr[-3000:]
-    return json.loads(line[4:])
+    procs = [subprocess.Popen([sys.executable, "-c", PROBE], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "RAY_TMPDIR": f"/tmp/dsv3ws{i}", "RAY_USAGE_STATS_ENABLED": "0"})
+             for i in range(1, n + 1)]
+    keys = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=240)
+            line = next((x for x in out.splitlines() if x.startswith("KEY ")), None)
+            assert line, out[-2000:] + err[-3000:]
+            keys.append(json.loads(line[4:]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return keys
 
 
-def test_two_ray_clusters_get_two_sockets(tmp_path):
-    a, b = _probe(tmp_path, 1), _probe(tmp_path, 2)
+def test_two_ray_clusters_get_two_sockets():
+    a, b = _probes(2)
     assert a["job"] == b["job"], (a, b)  # twin: upstream's key (the job id alone) is the same in both clusters
     assert a["key"] != b["key"], (a, b)
     assert a["key"].startswith(a["job"] + "-") and len(a["key"]) == len(a["job"]) + 9

@@ -4,9 +4,13 @@ Builds the tiny DeepSeek-V3 the way verl's Megatron engine does with ``use_mbrid
 ``hf_to_mcore_config`` + ``make_megatron_module`` without a bridge -> ``init_mcore_model``), loads the
 converter's dist checkpoint with verl's ``load_mcore_dist_weights``, exports HF-named full tensors with
 verl's ``per_tensor_generator`` (what the trainer sends to vLLM) and compares them, on every rank,
-with the HF safetensors the checkpoint was converted from. Prints one JSON line (rank 0).
+with the HF safetensors the checkpoint was converted from. Prints one JSON line (rank 0): each mode's list of
+per-rank results.
 
-    torchrun --nproc-per-node N verl_cpu_export_worker.py HF_DIR DIST_DIR TP EP [FAULT]
+    torchrun --nproc-per-node N verl_cpu_export_worker.py HF_DIR DIST_DIR TP EP [MODE[,MODE...]]
+
+Each MODE (``MODES``; default ``clean``) runs in turn on the one model this launch built and loaded (a launch is
+most of a test's time); a mode undoes its planted fault before the next one runs.
 
 ``EXPORT_PP=2`` in the environment adds pipeline stages (N = PP x max(TP, EP)); the result then counts the
 object collectives (``all_gather_object`` / ``broadcast_object_list``) and tensor broadcasts the export made.
@@ -18,19 +22,22 @@ import sys
 
 import torch
 
+MODES = ("clean", "swap_experts", "per_tensor_exchange", "bshd_forward", "bshd_forward_no_causal")
+
 
 def main():
     hf_dir, dist_dir, tp, ep = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-    fault = sys.argv[5] if len(sys.argv) > 5 else ""
+    modes = sys.argv[5].split(",") if len(sys.argv) > 5 else ["clean"]
+    if set(modes) - set(MODES):
+        sys.exit(f"unknown mode(s) {sorted(set(modes) - set(MODES))}; allowed: {', '.join(MODES)}")
     torch.distributed.init_process_group("gloo")
     from megatron.core import parallel_state as mpu
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-    from safetensors.torch import load_file
     from transformers import AutoConfig
 
     from verl.models.mcore import hf_to_mcore_config
     from verl.models.mcore.registry import MODEL_WEIGHT_CONVERTER_REGISTRY, get_supported_model
-    from verl.utils.megatron_utils import McoreModuleWrapperConfig, make_megatron_module, per_tensor_generator
+    from verl.utils.megatron_utils import McoreModuleWrapperConfig, make_megatron_module
     from verl.utils.model import load_mcore_dist_weights
 
     pp = int(os.environ.get("EXPORT_PP", "1"))
@@ -51,20 +58,44 @@ def main():
     module, tf = make_megatron_module(McoreModuleWrapperConfig(wrap_with_ddp=False), tf, hf)
     te_modules = sorted({type(m).__name__ for m in module[0].modules() if type(m).__name__.startswith("TE")})
     load_mcore_dist_weights(module, dist_dir)
-    if fault == "swap_experts" and mpu.get_pipeline_model_parallel_rank() == 0:
-        # planted fault: two routed experts of the first MoE layer trade weights
-        from verl.utils.megatron_utils import unwrap_model
-
-        experts = unwrap_model(module[0]).decoder.layers[1].mlp.experts.local_experts
-        a, b = experts[0].linear_fc1.weight, experts[1].linear_fc1.weight
-        tmp = a.data.clone()
-        a.data.copy_(b.data)
-        b.data.copy_(tmp)
-    if fault.startswith("bshd_forward"):
-        print(json.dumps(_bshd_forward(module[0], hf, fault)))
-        torch.distributed.destroy_process_group()
-        return
     conv = MODEL_WEIGHT_CONVERTER_REGISTRY[get_supported_model(hf.architectures[0])](hf, tf)
+    out = {}
+    for mode in modes:
+        if mode.startswith("bshd_forward"):
+            result = _bshd_forward(module[0], hf, mode)
+        else:
+            swap = mode == "swap_experts" and mpu.get_pipeline_model_parallel_rank() == 0
+            if swap:
+                _swap_experts(module)
+            result = _export(module, hf, tf, conv, hf_dir, te_modules, mode)
+            if swap:
+                _swap_experts(module)  # back: the next mode sees the loaded weights
+        results = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(results, result)
+        out[mode] = results
+    if torch.distributed.get_rank() == 0:
+        print(json.dumps(out))
+    torch.distributed.destroy_process_group()
+
+
+def _swap_experts(module) -> None:
+    """The planted fault: two routed experts of the first MoE layer trade weights (twice: undone)."""
+    from verl.utils.megatron_utils import unwrap_model
+
+    experts = unwrap_model(module[0]).decoder.layers[1].mlp.experts.local_experts
+    a, b = experts[0].linear_fc1.weight, experts[1].linear_fc1.weight
+    tmp = a.data.clone()
+    a.data.copy_(b.data)
+    b.data.copy_(tmp)
+
+
+def _export(module, hf, tf, conv, hf_dir: str, te_modules: list[str], mode: str) -> dict:
+    """verl's per-tensor export of the model against the HF checkpoint, with the object collectives it made."""
+    from megatron.core import parallel_state as mpu
+    from safetensors.torch import load_file
+
+    from verl.utils.megatron_utils import per_tensor_generator
+
     mapping = {"qkv_layer_name": "self_attention.linear_qkv.", "gate_proj_layer_name": "linear_fc1."}
     calls = {"all_gather_object": 0, "broadcast_object_list": 0, "broadcast": 0}
     dist = torch.distributed
@@ -81,7 +112,7 @@ def main():
     try:
         exported = {n: t.detach().to(torch.bfloat16) for n, t in per_tensor_generator(module, hf, conv, tf, mapping)}
         n_exported = dict(calls)
-        if fault == "per_tensor_exchange":  # the counter's twin: verl's per-tensor helpers, once, are seen
+        if mode == "per_tensor_exchange":  # the counter's twin: verl's per-tensor helpers, once, are seen
             from verl.utils.megatron_utils import broadcast_str_from_megatron_pp
 
             broadcast_str_from_megatron_pp("decoder.final_layernorm.weight" if mpu.is_pipeline_last_stage() else None)
@@ -97,14 +128,8 @@ def main():
     extra = sorted(set(exported) - set(ref))
     wrong = sorted(n for n in set(ref) & set(exported)
                    if ref[n].shape != exported[n].shape or not torch.equal(ref[n].to(torch.bfloat16), exported[n]))
-    result = {"rank": torch.distributed.get_rank(), "n": len(exported), "missing": missing[:5], "extra": extra[:5],
-              "wrong": wrong[:10], "n_wrong": len(wrong), "te_modules": te_modules,
-              "collectives": n_exported}
-    results = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(results, result)
-    if torch.distributed.get_rank() == 0:
-        print(json.dumps(results))
-    torch.distributed.destroy_process_group()
+    return {"rank": torch.distributed.get_rank(), "n": len(exported), "missing": missing[:5], "extra": extra[:5],
+            "wrong": wrong[:10], "n_wrong": len(wrong), "te_modules": te_modules, "collectives": n_exported}
 
 
 def _bshd_forward(model, hf, mode: str) -> dict:
@@ -113,6 +138,7 @@ def _bshd_forward(model, hf, mode: str) -> dict:
     ``bshd_forward_no_causal`` plants a fault: a padding-only mask without the causal part."""
     import verl.models.mcore.model_forward as mf
 
+    real_mask = mf._local_attention_mask
     if mode == "bshd_forward_no_causal":
         mf._local_attention_mask = lambda m: ~m.bool()[:, None, None, :].expand(-1, 1, m.shape[1], -1)
     g = torch.Generator().manual_seed(0)
@@ -131,6 +157,7 @@ def _bshd_forward(model, hf, mode: str) -> dict:
             alone = _gather_vocab(alone[0, :n].float())
             got = _gather_vocab(batched[i].float())
             diffs.append((got - alone).abs().max().item() / max(alone.abs().max().item(), 1e-6))
+    mf._local_attention_mask = real_mask
     return {"rank": torch.distributed.get_rank(), "rel_diff": diffs, "uses_local": mf._uses_local_core_attention(model)}
 
 
