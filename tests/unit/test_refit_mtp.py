@@ -298,7 +298,7 @@ def test_verl_engine_builds_loads_and_exports_mtp(mtp_dist_ckpt):
     with ``weight.data.cuda()``; the MTP names at PP2 are test_mtp_names_keep_their_number_at_pp2.)"""
     from test_verl_cpu_megatron import _assert_exact, _export
 
-    results = _export(*mtp_dist_ckpt, tp=1, ep=1)
+    results = _export(*mtp_dist_ckpt, tp=1, ep=1)["clean"]
     _assert_exact(results)
     ref = _hf(mtp_dist_ckpt[0])
     assert "model.layers.4.shared_head.head.weight" in ref
