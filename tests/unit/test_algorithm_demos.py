@@ -6,8 +6,8 @@ the vLLM engine that produced each sample too), and the preset's mode / algorith
 step, staleness <= 1). Two launches for the three presets:
 
 * `tiny_cpu_dapo` as shipped;
-* `tiny_cpu_one_step_off` with `tiny_cpu_gspo`'s own switches laid over it, and a vLLM engine killed (below) (its `algorithm: gspo` and its `verl`
-  keys, read from the preset file): GSPO's sequence-level loss and the one-step-off trainer are independent switches,
+* `tiny_cpu_one_step_off` with `tiny_cpu_gspo`'s own switches laid over it (its `algorithm: gspo` and its `verl`
+  keys, read from the preset file), and a vLLM engine killed (below): GSPO's sequence-level loss and the one-step-off trainer are independent switches,
   and one run learns with both (measured 2026-12-07, alone on the 2-core box: 6/6 steps, reward 0.128 -> 0.432,
   val 0.097 -> 0.653, 9/9 checks, main_ppo 241 s). Until 2026-12-07 GSPO had a launch of its own (~450-580 s of
   an e2e lane on the CI box; docs/ci.md "2026-12-07 (fourth session)"). `tiny_cpu_gspo` and `tiny_cpu_one_step_off`

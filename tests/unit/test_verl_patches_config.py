@@ -242,16 +242,21 @@ def test_verl_apply_patch_planted_fault_rope_key_fix_reverted(verl_ref, tmp_path
 
 # ------------------------------------------------------------------ patch 0018: the planted-fault switches
 
+def _plant(monkeypatch, fault: str | None) -> None:
+    """DSV3_PLANT_FAULT=FAULT for the test (patch 0018's switches), or unset."""
+    if fault is None:
+        monkeypatch.delenv("DSV3_PLANT_FAULT", raising=False)
+    else:
+        monkeypatch.setenv("DSV3_PLANT_FAULT", fault)
+
+
 def _grpo_advantages(monkeypatch, fault: str | None) -> torch.Tensor:
     """verl's own GRPO advantage (patched core_algos) of two groups of 4 outcome rewards, with DSV3_PLANT_FAULT=FAULT."""
     import numpy as np
 
     from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
 
-    if fault is None:
-        monkeypatch.delenv("DSV3_PLANT_FAULT", raising=False)
-    else:
-        monkeypatch.setenv("DSV3_PLANT_FAULT", fault)
+    _plant(monkeypatch, fault)
     rewards = torch.zeros(8, 5)
     rewards[:, -1] = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0])  # the outcome at each response's end
     mask = torch.ones(8, 5)
@@ -278,10 +283,7 @@ def _syncs_sent(monkeypatch, fault: str | None, n: int = 3) -> list[int]:
 
     from verl.workers.engine_workers import ActorRolloutRefWorker
 
-    if fault is None:
-        monkeypatch.delenv("DSV3_PLANT_FAULT", raising=False)
-    else:
-        monkeypatch.setenv("DSV3_PLANT_FAULT", fault)
+    _plant(monkeypatch, fault)
     sent: list[int] = []
 
     async def send_weights(params, global_steps=None):
