@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 from dsv3_rl.launch import ckpt, monitor
+from grpo_runs import launch_env
 
 REPO = Path(__file__).resolve().parents[2]
 LAUNCHER = REPO / "examples" / "deepseek_v3" / "run_mcore_deepseek_verl.sh"
@@ -155,8 +156,7 @@ def run_chain(tmp: Path, work: Path) -> Chain:
                       "run: {max_restarts: 2}\n"
                       f"verl: {{trainer: {{total_training_steps: {STEPS}, save_freq: {SAVE}, max_actor_ckpt_to_keep: 2}}}}\n")
     logs, ck = tmp / "logs", tmp / "ckpt"
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "DSV3_PLANT_FAULT")}
-    env.update(WORK_DIR=str(work), CKPT_DIR=str(ck), LOG_DIR=str(logs))
+    env = launch_env(work, ck, logs)
     cmd = ["bash", str(LAUNCHER), "--preset", str(preset), "--quiet"]
     markers = RunMarkers(logs)
     markers.start()

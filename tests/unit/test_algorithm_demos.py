@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
 import subprocess
 import time
@@ -40,7 +39,7 @@ from pathlib import Path
 import pytest
 import yaml
 from grpo_fault_chain import finish_launch, kill9, RunMarkers, watched_launch
-from grpo_runs import PP2_LAYOUT, ends_only
+from grpo_runs import PP2_LAYOUT, ends_only, launch_env
 
 from dsv3_rl.launch import monitor
 
@@ -104,9 +103,8 @@ def demos(work):
             text["verl"] = {**text.get("verl", {}), "trainer": {**text.get("verl", {}).get("trainer", {}), **short}}
             p = work / f"{name}_short.yaml"
             p.write_text(yaml.safe_dump(text, sort_keys=False))
-            env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "DSV3_PLANT_FAULT")}
             logs = work / name / "logs"
-            env.update(WORK_DIR=str(work), CKPT_DIR=str(work / name / "ckpt"), LOG_DIR=str(logs))
+            env = launch_env(work, work / name / "ckpt", logs)
             cmd = ["bash", str(LAUNCHER), "--preset", str(p), "--quiet"]
             t0 = time.monotonic()
             if not kill:

@@ -45,7 +45,7 @@ from pathlib import Path
 
 import pytest
 from grpo_fault_chain import FALLBACK, K  # the resumed run's start, the interrupted run's last checkpoint
-from grpo_runs import ends_only
+from grpo_runs import ends_only, launch_env
 
 REPO = Path(__file__).resolve().parents[2]
 LAUNCHER = REPO / "examples" / "deepseek_v3" / "run_mcore_deepseek_verl.sh"
@@ -103,9 +103,7 @@ def sound_run(work, short_preset) -> SoundRun:
 
 
 def _env(work: Path, name: str, **extra) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "DSV3_PLANT_FAULT")}
-    env.update(WORK_DIR=str(work), CKPT_DIR=str(work / name / "ckpt"), LOG_DIR=str(work / name / "logs"), **extra)
-    return env
+    return launch_env(work, work / name / "ckpt", work / name / "logs", **extra)
 
 
 def _launch(work: Path, name: str, *args: str, preset: str = "tiny_cpu", **env) -> subprocess.CompletedProcess:
