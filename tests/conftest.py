@@ -94,7 +94,7 @@ def fault_chain(tmp_path_factory, grpo_work):
 #: The files of `make test`'s xdist phase that take longest, longest first (pytest's durations summed per file on
 #: the 2-core box: 2026-12-07's slow day, docs/results/2026-12-07-ci/phase1-cpu-by-file.txt, test_mcore_patches.py
 #: ~480 s down to test_planner_validation.py ~30 s, reordered after that day's trims of test_verl_cpu_megatron.py
-#: and test_convert.py, docs/ci.md "fifth session"; the other ~60 files take ~200 s together). pytest-xdist's ``--dist loadfile`` hands a file to whichever
+#: and test_convert.py, docs/ci-history.md "fifth session"; the other ~60 files take ~200 s together). pytest-xdist's ``--dist loadfile`` hands a file to whichever
 #: worker frees up, by default the files with the most tests first (90 one-second tests before one 150-s test), so a
 #: long file could start last and keep one core busy while the other had nothing left. The Makefile passes
 #: ``--no-loadscope-reorder`` (collection order) and this hook puts these first: the last files handed out are
@@ -107,11 +107,11 @@ LONGEST_FILES = ("test_mcore_patches.py", "test_convert.py", "test_consistency.p
 
 
 #: ``make test`` runs the ``e2e`` GRPO runs in two pytest processes side by side (``--e2e-lane 1/2``, ``2/2``;
-#: ``E2E_LANES=1``: one at a time; docs/ci.md "Fifth pass", "Sixth pass"): one launch leaves ~23 % of the two cores idle (its start-up is a chain of one process after another), two fill
-#: them (2026-11-27, 2-core box: the e2e phase 30:29 -> 24:53, peak memory used 19.6 of 23 GiB; docs/ci.md "Fifth
+#: ``E2E_LANES=1``: one at a time; docs/ci-history.md "Fifth pass", "Sixth pass"): one launch leaves ~23 % of the two cores idle (its start-up is a chain of one process after another), two fill
+#: them (2026-11-27, 2-core box: the e2e phase 30:29 -> 24:53, peak memory used 19.6 of 23 GiB; docs/ci-history.md "Fifth
 #: pass"). Lane 2 is these tests (node-id prefixes): the two algorithm demos (the DAPO one at PP2 with the R3 test on
 #: its run, the one-step-off one with a killed engine and its restart: 3 start-ups); lane 1 every other e2e test: the
-#: fault chain (3 start-ups) with the resume test, and the sound run (the demo's, in CI). Since 2026-12-07 (docs/ci.md
+#: fault chain (3 start-ups) with the resume test, and the sound run (the demo's, in CI). Since 2026-12-07 (docs/ci-history.md
 #: "fifth session"). A test no prefix names runs in lane 1, so a renamed test moves lanes but is never dropped.
 E2E_LANE_2 = ("tests/unit/test_algorithm_demos.py::",)  # its demos serve the R3 and killed-engine tests: one file, one lane
 

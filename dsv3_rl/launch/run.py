@@ -183,7 +183,7 @@ def derived_tree(preset: Preset, model_cfg: dict) -> dict:
         # process of its own. verl asks for "mp" (an EngineCore and a worker per engine); vLLM's CPU platform keeps
         # "uni" only with VLLM_ENABLE_V1_MULTIPROCESSING=0 (env/cpu.sh; it would pin OpenMP threads per worker,
         # which the CPU presets do not: VLLM_CPU_OMP_THREADS_BIND=nobind, OMP_NUM_THREADS=1). One process fewer per
-        # engine: measured 2026-11-27 on 2 cores, a 4-step run 159 s / 252 CPU-s against 189 s / 300 (docs/ci.md)
+        # engine: measured 2026-11-27 on 2 cores, a 4-step run 159 s / 252 CPU-s against 189 s / 300 (docs/ci-history.md)
         set_dotted(t, f"{R}.engine_kwargs.vllm.distributed_executor_backend", "uni")
     if preset.router:
         for k, v in router_facts(model_cfg, preset.router).items():

@@ -264,7 +264,7 @@ def _run_attempts(launch, env: dict[str, str], lock) -> int:
             lost = res.lost
             if lost.startswith(monitor.NODE_RAY) and last <= (resume or 0):
                 # the node's own Ray gone before this attempt trained a step: its raylet gave up starting (it aborts
-                # when its agents' port files take > 15 s, a loaded machine; docs/ci.md "2026-12-07"): a failed start,
+                # when its agents' port files take > 15 s, a loaded machine; docs/ci-history.md "2026-12-07"): a failed start,
                 # retried like one, naming the process (the 2026-12-07 clean-clone CI: "raylet lost during step 7")
                 lost = f"a failed start of Ray or vLLM ({lost} lost)"
             start_failed = lost.startswith("a failed start")

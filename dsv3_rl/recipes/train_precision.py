@@ -9,7 +9,7 @@
     ``bf16`` on a GPU and on a CPU with native BF16 (:data:`NATIVE_BF16_FLAGS`: AVX512-BF16 or AMX), else ``fp32``
     (:func:`resolve`; the launcher reads the CPU's flags and prints the choice). Measured 2026-11-28 on a 2-core AMD
     EPYC with AVX2 only: torch's BF16 GEMMs ran at 1.1 GFLOP/s against 64.5 in FP32, and the CPU demo's step took
-    30-35 s in BF16 against 12-21 s with the trainer in FP32 (docs/ci.md).
+    30-35 s in BF16 against 12-21 s with the trainer in FP32 (docs/ci-history.md).
 ``fp8``
     FP8 GEMMs through Transformer Engine: megatron-core 0.16.1's ``TransformerConfig.fp8 = "e4m3"`` and
     ``fp8_recipe`` (:data:`RECIPES`), set through verl's ``actor.megatron.override_transformer_config`` (verl passes

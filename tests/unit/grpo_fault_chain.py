@@ -16,7 +16,7 @@ invocation 2 (the same command; both tests)
 
 The third fault of issue 29, a killed vLLM engine, is planted in the one-step-off demo's run
 (tests/unit/test_algorithm_demos.py, the other e2e lane) since 2026-12-07: before, it was a second restart here and
-the chain had five start-ups (a third invocation resumed the SIGTERM'd one), the longest e2e lane of CI (docs/ci.md,
+the chain had five start-ups (a third invocation resumed the SIGTERM'd one), the longest e2e lane of CI (docs/ci-history.md,
 "fifth session"). Each test asserts its own points on the record (:class:`Chain`); the chain runs once per pytest
 session (``fault_chain`` fixture, tests/conftest.py). The one-step-off demo's killed engine uses this module's
 watched launch (``watched_launch``, ``kill9``, ``RunMarkers``)."""

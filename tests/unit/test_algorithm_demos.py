@@ -10,11 +10,11 @@ step, staleness <= 1). Two launches for the three presets:
   keys, read from the preset file), and a vLLM engine killed (below): GSPO's sequence-level loss and the one-step-off trainer are independent switches,
   and one run learns with both (measured 2026-12-07, alone on the 2-core box: 6/6 steps, reward 0.128 -> 0.432,
   val 0.097 -> 0.653, 9/9 checks, main_ppo 241 s). Until 2026-12-07 GSPO had a launch of its own (~450-580 s of
-  an e2e lane on the CI box; docs/ci.md "2026-12-07 (fourth session)"). `tiny_cpu_gspo` and `tiny_cpu_one_step_off`
+  an e2e lane on the CI box; docs/ci-history.md "2026-12-07 (fourth session)"). `tiny_cpu_gspo` and `tiny_cpu_one_step_off`
   as shipped are still composed and checked by the dry-run tests (test_launch_algorithms.py).
 
 Issue 29's killed engine rides on the one-step-off run (since 2026-12-07; before, it was the fault chain's second
-restart, tests/unit/grpo_fault_chain.py, docs/ci.md "fifth session"): ``kill -9`` of one vLLM ``EngineCore`` once
+restart, tests/unit/grpo_fault_chain.py, docs/ci-history.md "fifth session"): ``kill -9`` of one vLLM ``EngineCore`` once
 step 4 is logged, the run checkpointing every 2 steps; the launcher's vanished-process watch sees the loss, tears the
 run down and restarts it from its last complete checkpoint (the demo preset's ``run.max_restarts: 1``), and the run
 ends PASSED with every check, the learning gate over all 6 steps included, at most 2 steps repeated, and no process
@@ -175,7 +175,7 @@ def test_r3_router_replay_at_pp2(demos):
     stages and every step replays them (the run's check "router replay (R3)": routes in the batch, and the
     trainer's own router agrees with >= 90% of them, 0.95-0.96 measured; a misaligned replay agrees with ~1/6). The
     run is the DAPO demo's at PP2 (a sound run: replay on the initial weights and after each of its updates and
-    weight syncs). Until 2026-12-07 it was the flipped-advantage twin's run at PP2 (docs/ci.md, "fourth session")."""
+    weight syncs). Until 2026-12-07 it was the flipped-advantage twin's run at PP2 (docs/ci-history.md, "fourth session")."""
     d = demos("tiny_cpu_dapo_pp2")
     out = d.proc.stdout + d.proc.stderr
     assert d.proc.returncode in (0, 1), out[-4000:]  # the run completed and its checks ran (1: a check failed)

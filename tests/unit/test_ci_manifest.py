@@ -1,7 +1,7 @@
 """Nothing lost (issue 28): every check that CI ran before the suite was split into fast and slow tests is still
 collected. ``tests/assets/ci-checks.txt`` lists the node ids of ``tests/unit`` as they were collected on
 2026-11-26 before the split (1245 tests, 105 of them planted-fault twins by name: ``fault``, ``twin`` or
-``planted``; 4 renamed on purpose since, docs/ci.md); a test that disappears from collection (deleted, renamed, or its file no longer imports) fails here,
+``planted``; 4 renamed on purpose since, docs/ci-history.md); a test that disappears from collection (deleted, renamed, or its file no longer imports) fails here,
 named. New tests are welcome and need no entry. A deliberate rename or removal updates the manifest in the same
 change (``python tests/unit/test_ci_manifest.py --write`` rewrites it from the current collection; the diff shows
 what went). ``make test`` runs selections (``-m "not e2e"`` under xdist, then ``-m e2e``) that together take

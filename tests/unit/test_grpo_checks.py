@@ -189,7 +189,7 @@ def test_checks_pass_on_recorded_demo_metrics():
 #: the token-probability agreement of vLLM with the trainer at steps 5-8 of a real run whose rollout kept the
 #: weights of the first sync (verl patch 0018's stale_rollout_weights, the demo's preset, 2026-11-26): Pearson
 #: (limit 0.97) and mean |p_vllm - p_megatron| (limit 0.03); sound runs stay >= 0.981 and <= 0.017. Until
-#: 2026-12-07 that run was a CI launch of its own (docs/ci.md, "fifth session")
+#: 2026-12-07 that run was a CI launch of its own (docs/ci-history.md, "fifth session")
 STALE_DRIFT = {5: (0.961, 0.0311), 6: (0.965, 0.0271), 7: (0.959, 0.0306), 8: (0.957, 0.0312)}
 
 

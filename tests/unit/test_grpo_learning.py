@@ -13,13 +13,13 @@ too close to the gate.
   first and sets DSV3_DEMO_DIR) the demo's run serves instead: the same preset continued to 12 steps, checked on
   its first 6 steps;
 * stale_rollout_weights (verl patch 0018's switch: the rollout keeps the weights of the first sync) fails the
-  learning gate and the consistency check; since 2026-12-07 ("fifth session" of docs/ci.md) it is no longer a CPU
+  learning gate and the consistency check; since 2026-12-07 ("fifth session" of docs/ci-history.md) it is no longer a CPU
   launch of CI's either: the switch is a unit test on verl's own weight-sync method (test_verl_patches_config.py),
   and the checks' failure on a rollout that drifts from the trainer is the recorded-metrics twin
   ``rollout_stale`` (test_grpo_checks.py, the drift of the stale run of 2026-11-26, see STALE_DRIFT there);
 * flip_advantage_sign (patch 0018's other switch) fails the learning gate alone (-0.023 to -0.055 in 6 steps,
   measured 2026-11-26 at PP2 and TP2 x EP2, consistency and R3 passing); since 2026-12-07 it is no longer a CPU
-  launch of CI's (docs/ci.md, "fourth session"): the reversed and constant rewards are the learning gate's twins on
+  launch of CI's (docs/ci-history.md, "fourth session"): the reversed and constant rewards are the learning gate's twins on
   the recorded demo metrics (test_grpo_checks.py), and the R3-at-PP2 check that
   rode on its run rides on the DAPO demo's run at PP2 (test_algorithm_demos.py). The GPU twin (tiny_1xH100,
   issue 38) and `DSV3_PLANT_FAULT=flip_advantage_sign make demo` still use the switch;

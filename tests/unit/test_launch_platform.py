@@ -274,7 +274,7 @@ def _ray_wait_of_env_files(env_dir: Path) -> dict[str, str | None]:
 
 def test_every_env_preset_gives_ray_120_s_to_register_its_raylet():
     """Every hardware env file gives the driver 120 s (Ray's default: 30) for its raylet to register: the raylet waits
-    for its two agents' port files first, which on a loaded 2-core box took > 30 s about once per CI run (docs/ci.md
+    for its two agents' port files first, which on a loaded 2-core box took > 30 s about once per CI run (docs/ci-history.md
     "2026-12-07"); a value the job sets wins. The name is one Ray's core reads: it is compiled into _raylet.so."""
     import ray
 

@@ -711,7 +711,7 @@ def _raylet_lost_run(tmp_path, capsys, monkeypatch, fail_at: str) -> str:
 @pytest.mark.slow  # ~15 s on 2 cores
 @pytest.mark.timeout(240)
 def test_a_raylet_lost_before_the_attempts_first_step_is_a_failed_start(tmp_path, capsys, monkeypatch):
-    """The raylet gives up starting on a loaded machine (its agents' port files > 15 s; docs/ci.md "2026-12-07"): the
+    """The raylet gives up starting on a loaded machine (its agents' port files > 15 s; docs/ci-history.md "2026-12-07"): the
     watch sees it vanish before ray.init says anything. That is a failed start, retried as one (the old cluster
     waited for), and the RESTART line still names the process (the 2026-12-07 clean-clone CI failed the fault chain
     on "the node's Ray (raylet, pid 3849) lost during step 7" in a resumed attempt's start-up)."""

@@ -154,7 +154,7 @@ def test_custom_sampler_keeps_its_constructor_contract(tmp_path):
 
 def test_gpu_presets_set_a_short_poll_interval(tmp_path):
     """Every GPU preset polls every 0.1 s (_grpo_math.yaml, and tiny_1xH100 over tiny_cpu); the CPU presets keep
-    verl's 2.0 (on 2 cores the generation takes ~4 s and a faster poll shortened no step: docs/ci.md, 2026-11-27).
+    verl's 2.0 (on 2 cores the generation takes ~4 s and a faster poll shortened no step: docs/ci-history.md, 2026-11-27).
     tiny_1xH100's composed verl config (the launcher's, verl's validation run) builds its sync buffer with 0.1.
     Twin: the same config without the key builds the 2 s buffer."""
     from omegaconf import open_dict

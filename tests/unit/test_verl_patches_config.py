@@ -266,7 +266,7 @@ def _grpo_advantages(monkeypatch, fault: str | None) -> torch.Tensor:
 
 def test_flip_advantage_sign_switch_negates_verls_grpo_advantage(monkeypatch):
     """Patch 0018's DSV3_PLANT_FAULT=flip_advantage_sign (the GPU twin of issue 38, `make demo` by hand; its CPU GRPO
-    launch left CI on 2026-12-07, docs/ci.md "fourth session"): verl's GRPO advantage comes out negated, every token
+    launch left CI on 2026-12-07, docs/ci-history.md "fourth session"): verl's GRPO advantage comes out negated, every token
     of every response; the learning gate's failure on such a run is checked on the recorded demo metrics
     (test_grpo_checks.py, reward_reversed). Twin: another fault's value, or none, leaves the advantage as verl's."""
     plain = _grpo_advantages(monkeypatch, None)
@@ -300,7 +300,7 @@ def _syncs_sent(monkeypatch, fault: str | None, n: int = 3) -> list[int]:
 
 
 def test_stale_rollout_weights_switch_keeps_the_first_sync_only(monkeypatch):
-    """Patch 0018's DSV3_PLANT_FAULT=stale_rollout_weights (until 2026-12-07 a CPU GRPO launch of CI's, docs/ci.md
+    """Patch 0018's DSV3_PLANT_FAULT=stale_rollout_weights (until 2026-12-07 a CPU GRPO launch of CI's, docs/ci-history.md
     "fifth session"): verl's weight sync reaches the rollout once, at the first call, and never again, so the rollout
     keeps the initial weights; the rollout == trainer check's failure on such a run is checked on the drift measured in
     a real stale run (test_grpo_checks.py, ``rollout_stale``). Twin: another fault's value, or none, syncs every step."""

@@ -21,5 +21,5 @@ export RAY_USAGE_STATS_ENABLED=${RAY_USAGE_STATS_ENABLED:-0}
 # Ray: how long ray.init() waits for its node's raylet to register (Ray's default 30 s, read by the driver's
 # GlobalStateAccessor). The raylet registers only after its dashboard and runtime-env agents (Python processes) have
 # written their port files; on a loaded 2-core CI box that took > 30 s about once per CI run and failed the start
-# ("The current node timed out during startup", a retry costing ~300 s; docs/ci.md "2026-12-07").
+# ("The current node timed out during startup", a retry costing ~300 s; docs/ci-history.md "2026-12-07").
 export RAY_raylet_start_wait_time_s=${RAY_raylet_start_wait_time_s:-120}
