@@ -57,9 +57,9 @@ REQUIREMENTS = (
     "openai<3",          # openai 3.x imports httpx2 at `import vllm` (No module named 'httpx2')
     "xgrammar==0.2.3",   # 0.2.8 calls apache-tvm-ffi's load_lib_module(extra_lib_paths=), which vLLM's pin 0.1.9 lacks
     # verl's nccl checkpoint engine (one-step-off / fully async on GPUs, patch 0042) imports cupy (without it:
-    # `Checkpoint engine nccl not registered ... No module named 'cupy'`); pinned, so carried even where the image has
-    # it (the project's box image has 14.2.0 too); 14.x needs numpy and cuda-pathfinder (no fastrlock any more)
-    "cupy-cuda13x==14.2.0",
+    # `Checkpoint engine nccl not registered ... No module named 'cupy'`). Not pinned: the project's box image has
+    # cupy-cuda13x 14.2.0, so the lock resolves it and does not carry it (a cluster without it carries it: pin it)
+    "cupy-cuda13x>=14",
     "transformers==5.10.4", "tokenizers==0.22.2", "pydantic==2.14.4", "tensordict==0.10.0", "omegaconf==2.3.1",
     "hydra-core==1.3.8", "codetiming", "datasets", "dill", "pylatexenc", "torchdata", "TransferQueue>=0.1.10",
     "pyzmq", "msgspec", "fastapi", "uvicorn", "mathruler", "qwen_vl_utils", "cachetools", "nvtx", "math-verify",
