@@ -50,11 +50,16 @@ PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_26_x
              "manylinux1_x86_64", "linux_x86_64")
 #: what the lock asks pip to resolve: vLLM and Ray at verl 0.9.1's GPU pins, the two pins vLLM 0.24.0's metadata
 #: misses (seen on the box 2026-11-28), verl's engine (its `verl-core`, `math` extras; scripts/requirements-cpu.txt
-#: has the same list for the CPU box), transformers/tokenizers at the CPU suite's versions, our reward and tools
+#: has the same list for the CPU box), cupy for verl's nccl checkpoint engine, transformers/tokenizers at the CPU
+#: suite's versions, our reward and tools
 REQUIREMENTS = (
     "vllm==0.24.0", "ray==2.60.0",
     "openai<3",          # openai 3.x imports httpx2 at `import vllm` (No module named 'httpx2')
     "xgrammar==0.2.3",   # 0.2.8 calls apache-tvm-ffi's load_lib_module(extra_lib_paths=), which vLLM's pin 0.1.9 lacks
+    # verl's nccl checkpoint engine (one-step-off / fully async on GPUs, patch 0042) imports cupy (without it:
+    # `Checkpoint engine nccl not registered ... No module named 'cupy'`). Not pinned: the project's box image has
+    # cupy-cuda13x 14.2.0, so the lock resolves it and does not carry it (a cluster without it carries it: pin it)
+    "cupy-cuda13x>=14",
     "transformers==5.10.4", "tokenizers==0.22.2", "pydantic==2.14.4", "tensordict==0.10.0", "omegaconf==2.3.1",
     "hydra-core==1.3.8", "codetiming", "datasets", "dill", "pylatexenc", "torchdata", "TransferQueue>=0.1.10",
     "pyzmq", "msgspec", "fastapi", "uvicorn", "mathruler", "qwen_vl_utils", "cachetools", "nvtx", "math-verify",

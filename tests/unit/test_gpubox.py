@@ -117,7 +117,8 @@ def test_split_refuses_files_that_differ_from_the_lock(bundle):
 
 def test_the_repo_lock_reads_and_holds_what_the_box_needs():
     """scripts/gpu-box.lock: one version of each package; vLLM and Ray at verl 0.9.1's GPU pins; the two pins the box
-    needed beyond vLLM's metadata; transformers at verl's range; TE; none of the excluded heavy packages."""
+    needed beyond vLLM's metadata; transformers at verl's range; cupy for verl's nccl checkpoint engine resolved but left to the image; TE; none of the
+    excluded heavy packages."""
     entries = gpubox.read_lock()
     by = {e.name: e for e in entries}
     assert by["vllm"].spec == "vllm==0.24.0" and by["ray"].spec == "ray==2.60.0"
@@ -125,6 +126,8 @@ def test_the_repo_lock_reads_and_holds_what_the_box_needs():
     assert by["transformers"].spec == "transformers==5.10.4" and by["pydantic"].spec == "pydantic==2.14.4"
     assert {"transferqueue", "math-verify", "hydra-core", "tensordict", "torchdata"} <= set(by)
     assert by["antlr4-python3-runtime"].source == "sdist"
+    # cupy, for verl's nccl checkpoint engine (patch 0042), is resolved and left to the box's image (14.2.0)
+    assert "cupy-cuda13x" not in by and "cupy-cuda13x" in gpubox.LOCK.read_text().split("carried", 1)[1].split("\n", 2)[1]
     assert {e.name for e in entries if e.source == "te"} == {"transformer-engine-cu13", "transformer-engine",
                                                              "transformer-engine-torch"}
     assert not set(by) & {gpubox._norm(n) for n in gpubox.EXCLUDED}
