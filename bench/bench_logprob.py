@@ -91,7 +91,7 @@ def main(argv=None) -> int:
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))
-    os.environ.setdefault("VERL_PLATFORM", "cpu" if a.device == "cpu" else "cuda")
+    os.environ.setdefault("VERL_PLATFORM", "cpu" if a.device == "cpu" else "nvidia")  # verl's platform names: nvidia, amd, huawei, cpu
     dist.init_process_group("gloo" if a.device == "cpu" else "nccl", rank=0, world_size=1)
     from megatron.core import parallel_state as mpu
 
