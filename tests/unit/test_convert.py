@@ -216,25 +216,12 @@ def test_two_rank_conversion_bit_exact(tiny, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.environ.get("DSV3_PROXY_ROUNDTRIP"), reason="proxy round trip needs ~35 GB disk and minutes: "
-                    "set DSV3_PROXY_ROUNDTRIP=1 (bench/bench_convert.py --preset proxy does the same and times it)")
-def test_roundtrip_proxy_bit_exact(tmp_path):
-    from dsv3_rl.convert.weights import compare_hf, hf_to_mcore, mcore_to_hf
-    from dsv3_rl.minimodel.mini_model import write_mini_model
-
-    hf = write_mini_model("proxy", tmp_path / "hf")
-    convert(hf_to_mcore, hf, tmp_path / "mc")
-    convert(mcore_to_hf, tmp_path / "mc", tmp_path / "back")
-    assert compare_hf(hf, tmp_path / "back") == []
-
-
-@pytest.mark.slow
 def test_roundtrip_proxy_two_layers_bit_exact(tmp_path):
     """The proxy preset's real DeepSeek-V3 dims (hidden 7168, 128 heads, MLA ranks 1536/512, 129280 vocab, dense FFN
     18432, expert FFN 2048, yarn), cut to 2 layers (1 dense + 1 MoE) and 4 routed experts (the proxy has 16: the
     experts are the same tensors 4x over, and 12 of them were 1.1 GB of each copy) for CPU time and disk: ~5.7 GB,
-    2 HF shards, 2 ranks each way, multi-file output. The 4-layer proxy: DSV3_PROXY_ROUNDTRIP=1 above, or
-    bench/bench_convert.py."""
+    2 HF shards, 2 ranks each way, multi-file output. The whole proxy (4 layers, 16 experts, ~35 GB of disk):
+    bench/bench_convert.py --model proxy, which compares the round trip byte for byte and times it."""
     import shutil
 
     free = shutil.disk_usage(tmp_path).free / 2**30
