@@ -16,12 +16,19 @@
 #   bash scripts/gpu_grpo.sh proxy       # 4 GPUs: proxy_4xH100, whole GRPO steps (TE spec)
 #   bash scripts/gpu_grpo.sh twonode     # 4 GPUs as two Ray nodes of 2 GPUs (ray start --head / --address, node 0
 #                                        #   submits: the launcher's multi-node path, PAI-DLC variables)
+#   bash scripts/gpu_grpo.sh oso2 [sync] # 2 GPUs, in turn on GPUs 0,1: tiny_2xH100_one_step_off (trainer GPU 0, vLLM
+#                                        #   GPU 1, nccl weight sync with the refit manifest; 12 steps, must PASS), then
+#                                        #   its flipped-advantage twin (6 steps, must FAIL); `sync`: then tiny_2xH100
+#   bash scripts/gpu_grpo.sh oso2proxy   # 2 GPUs, in turn: proxy_2xH100 (sync, colocated) then proxy_2xH100_one_step_off,
+#                                        #   OSO2_STEPS steps each (default 3), on proxy1's model, mcore checkpoint and
+#                                        #   data when proxy1 ran on this box, else on those the first run prepares
 #   bash scripts/gpu_grpo.sh wait MODE [SECONDS]   # wait for MODE's runs (progress lines), then pack them
 #
-# tiny/proxy/twonode start their runs detached (setsid: they outlive the call), copy the work tree to
-# $RUNS/repo-MODE first (a later call's fresh copy of the tree cannot change a running run's code), wait up to
-# $WAIT_S seconds, and pack each run's log directory (report.json, metrics.jsonl, PNGs, main_ppo.log, the
-# launcher's output) into $OUT/MODE.tar.gz. `wait MODE` goes on waiting in the next call.
+# The modes start their runs detached (setsid: they outlive the call), copy the work tree to $RUNS/repo-MODE first (a
+# later call's fresh copy of the tree cannot change a running run's code), wait up to $WAIT_S seconds, and pack each
+# run's log directory (report.json, metrics.jsonl, PNGs, main_ppo.log, the launcher's output, gpu-use.csv: memory and
+# utilisation of the run's GPUs every 5 s) into $OUT/MODE.tar.gz. `wait MODE` goes on waiting in the next call. A run
+# started in turn (oso2, oso2proxy) is `queued` until the run before it has ended and its GPUs are free.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PARTS=${PARTS:-/root/dsv3-parts}
@@ -30,7 +37,7 @@ RUNS=${RUNS:-/root/dsv3-runs}
 OUT=${OUT:-out/gpu-grpo}
 WAIT_S=${WAIT_S:-540}
 mkdir -p "$OUT" "$RUNS"
-mode=${1:?mode: receive | install | tiny | tiny1 | proxy1 | proxy1fp8 | proxy | twonode | wait MODE [SECONDS]}
+mode=${1:?mode: receive | install | tiny | tiny1 | proxy1 | proxy1fp8 | proxy | twonode | oso2 [sync] | oso2proxy | wait MODE [SECONDS]}
 
 case $mode in
   receive)
@@ -57,7 +64,7 @@ esac
 
 # the bundle on PYTHONPATH (its Transformer Engine too for the proxy runs: the held-out check's TE spec), backends/
 # check, NVLink multicast off
-if [[ $mode == proxy* || $mode == twonode || ${2:-} == proxy* || ${2:-} == twonode ]]; then export DSV3_GPU_TE=1; fi
+if [[ $mode == *proxy* || $mode == twonode || ${2:-} == *proxy* || ${2:-} == twonode ]]; then export DSV3_GPU_TE=1; fi
 source scripts/gpu_env.sh
 export PYTHON=python3
 
@@ -75,7 +82,9 @@ status() {  # status MODE: one line per run; returns 0 when every run of MODE ha
     [ -d "$d" ] || continue
     local n; n=$(basename "$d"); [[ $n == repo-* ]] && continue
     local last; last=$(grep -E "^\[dsv3-grpo\] (step|GRPO)|RESTART|FAILED|error:" "$d/launcher.log" 2>/dev/null | tail -n 1)
-    if [ -f "$d/rc" ]; then echo "  $n: exit $(cat "$d/rc"): $last"; else echo "  $n: running: $last"; all=1; fi
+    if [ -f "$d/rc" ]; then echo "  $n: exit $(cat "$d/rc"): $last"
+    elif [ -f "$d/queued" ]; then echo "  $n: queued: $(cat "$d/queued")"; all=1
+    else echo "  $n: running: $last"; all=1; fi
   done
   return $all
 }
@@ -89,17 +98,38 @@ wait_for() {  # wait_for MODE SECONDS
   echo "=== $m after $((SECONDS - t0)) s:"; status "$m"; pack "$m"
 }
 
-start() {  # start MODE NAME GPUS PRESET [VAR=VALUE ...] -- [launcher args]
+# the detached part of a run: wait for AFTER's run to end (its rc) and its GPUs to empty, sample the GPUs, launch
+read -r -d '' RUN_SH <<'SH'
+d=$1 after=$2 gpus=$3; shift 3
+if [ -n "$after" ]; then
+  while [ ! -f "$after/rc" ]; do sleep 5; done
+  for _ in $(seq 60); do  # the run before has exited; its CUDA contexts may take a moment to go (2 minutes at most)
+    busy=$(nvidia-smi -i "$gpus" --query-gpu=memory.used --format=csv,noheader,nounits | awk '$1 > 1024' | wc -l)
+    [ "$busy" = 0 ] && break; sleep 2
+  done
+  echo "[gpu_grpo] $(date -u +%T) $(basename "$after") ended (exit $(cat "$after/rc")); GPU(s) $gpus: $busy busy"
+  rm -f "$d/queued"
+fi
+( while :; do nvidia-smi -i "$gpus" --query-gpu=timestamp,index,memory.used,utilization.gpu --format=csv,noheader; sleep 5; done ) \
+    > "$d/gpu-use.csv" 2>&1 &
+sampler=$!
+bash examples/deepseek_v3/run_mcore_deepseek_verl.sh --preset "$@"
+rc=$?
+kill "$sampler" 2>/dev/null
+echo "$rc" > "$d/rc"
+SH
+
+start() {  # [AFTER=RUN_DIR] start MODE NAME GPUS PRESET [VAR=VALUE ...] -- [launcher args]
   local m=$1 name=$2 gpus=$3 preset=$4; shift 4
-  local envs=() d="$RUNS/$m-$name"
+  local envs=() d="$RUNS/$m-$name" after=${AFTER:-}
   while [ $# -gt 0 ] && [ "$1" != "--" ]; do envs+=("$1"); shift; done
   [ "${1:-}" = "--" ] && shift
-  mkdir -p "$d"; rm -f "$d/rc"
+  mkdir -p "$d"; rm -f "$d/rc" "$d/queued"
+  [ -n "$after" ] && echo "after $(basename "$after")" > "$d/queued"
   local repo="$RUNS/repo-$m"
   ( cd "$repo" && source scripts/gpu_env.sh && setsid env CUDA_VISIBLE_DEVICES="$gpus" WORK_DIR="$d/work" PYTHON=python3 "${envs[@]}" \
-      bash -c 'bash examples/deepseek_v3/run_mcore_deepseek_verl.sh --preset "$0" "$@"; echo $? > "'"$d"'/rc"' \
-      "$preset" "$@" > "$d/launcher.log" 2>&1 < /dev/null & )
-  echo "started $m-$name on GPU(s) $gpus: $preset $* ${envs[*]}"
+      bash -c "$RUN_SH" run "$d" "$after" "$gpus" "$preset" "$@" > "$d/launcher.log" 2>&1 < /dev/null & )
+  echo "${after:+queued after $(basename "$after"): }started $m-$name on GPU(s) $gpus: $preset $* ${envs[*]}"
 }
 
 snapshot() {  # copy the work tree (with the carried backends/) to $RUNS/repo-MODE
@@ -149,6 +179,23 @@ case $mode in
     start twonode node1 2,3 proxy_4xH100 "${common[@]}" RANK=1 RAY_TMPDIR=/tmp/ray-n1 -- trainer.nnodes=2 \
         trainer.n_gpus_per_node=2 trainer.total_training_steps=2
     wait_for twonode "$WAIT_S" ;;
+  oso2)
+    snapshot oso2
+    start oso2 sound 0,1 tiny_2xH100_one_step_off DSV3_REFIT_MANIFEST=1
+    AFTER="$RUNS/oso2-sound" start oso2 flip 0,1 tiny_2xH100_one_step_off DSV3_REFIT_MANIFEST=1 \
+        DSV3_PLANT_FAULT=flip_advantage_sign -- trainer.total_training_steps=6
+    if [ "${2:-}" = sync ]; then AFTER="$RUNS/oso2-flip" start oso2 sync 0,1 tiny_2xH100; fi
+    wait_for oso2 "$WAIT_S" ;;
+  oso2proxy)
+    snapshot oso2proxy
+    w="$RUNS/proxy1-one/work"  # proxy1's model, mcore checkpoint and data (as proxy1fp8), else the first run's own
+    [ -f "$w/models/dsv3-proxy-1xh100-mcore/dsv3_manifest.json" ] || w="$RUNS/oso2proxy-sync/work"
+    inputs=(MODEL_PATH="$w/models/dsv3-proxy-1xh100" MCORE_PATH="$w/models/dsv3-proxy-1xh100-mcore"
+            DATA_DIR="$w/data/math_lighteval")
+    start oso2proxy sync 0,1 proxy_2xH100 "${inputs[@]}" -- trainer.total_training_steps="${OSO2_STEPS:-3}"
+    AFTER="$RUNS/oso2proxy-sync" start oso2proxy osp 0,1 proxy_2xH100_one_step_off DSV3_REFIT_MANIFEST=1 "${inputs[@]}" \
+        -- trainer.total_training_steps="${OSO2_STEPS:-3}"
+    wait_for oso2proxy "$WAIT_S" ;;
   wait)
     wait_for "${2:?wait MODE}" "${3:-$WAIT_S}" ;;
   *) echo "error: unknown mode $mode" >&2; exit 2 ;;

@@ -334,8 +334,10 @@ def trainer_spec() -> str:
     return "transformer_engine" if _use_transformer_engine() else "local"
 
 
-def planner_inputs(cfg, s: Sizes, gpu: str, options_extra: dict) -> tuple:
-    """The planner's (Cluster, GRPOShape, Options, RolloutLayout) for the composed config."""
+def planner_inputs(cfg, s: Sizes, gpu: str, options_extra: dict, hardware: dict | None = None) -> tuple:
+    """The planner's (Cluster, GRPOShape, Options, RolloutLayout) for the composed config. With the preset's
+    HARDWARE, an off-policy trainer mode (``hybrid_engine`` false, verl's ``rollout.nnodes`` x ``n_gpus_per_node``)
+    is planned as it runs: ``placement=separate``, the rollout on its own pool and the cluster both pools."""
     from dsv3_rl.planner import Cluster, GRPOShape, Options, RolloutLayout
 
     g = lambda k, d=None: select(cfg, k, d)  # noqa: E731
@@ -364,14 +366,22 @@ def planner_inputs(cfg, s: Sizes, gpu: str, options_extra: dict) -> tuple:
     from dsv3_rl.recipes.train_precision import planner_options  # FP8 training memory (preset train_precision)
 
     opts.update(planner_options(otc))
+    cluster, ro_gpus = Cluster(gpu=gpu, gpus_per_node=s.gpus_per_node, nodes=s.nnodes), s.world
+    rn, rg = g("rollout.nnodes"), g("rollout.n_gpus_per_node")  # keys of verl's off-policy configs only
+    if hardware and rn and rg and not g("actor_rollout_ref.hybrid_engine", True):
+        cluster = Cluster(gpu=gpu, gpus_per_node=int(hardware["gpus_per_node"]), nodes=int(hardware["nodes"]))
+        ro_gpus = int(rn) * int(rg)
+        opts.update(placement="separate", rollout_gpus=ro_gpus)
     opts.update(options_extra or {})
-    rollout = RolloutLayout(tp=s.rollout_tp, dp=s.rollout_dp, ep=s.rollout_ep, gpus=s.world,
+    rollout = RolloutLayout(tp=s.rollout_tp, dp=s.rollout_dp, ep=s.rollout_ep, gpus=ro_gpus,
                             gpu_memory_utilization=float(g(f"{R}.gpu_memory_utilization")))
-    return Cluster(gpu=gpu, gpus_per_node=s.gpus_per_node, nodes=s.nnodes), grpo, Options(**opts), rollout
+    return cluster, grpo, Options(**opts), rollout
 
 
-def planner_check(model: Any, cfg, s: Sizes, gpu: str, options_extra: dict, *, cpu: bool) -> list[Finding]:
-    """Memory fit of the composed config per the planner; 'does not fit' is a warning."""
+def planner_check(model: Any, cfg, s: Sizes, gpu: str, options_extra: dict, *, cpu: bool,
+                  hardware: dict | None = None) -> list[Finding]:
+    """Memory fit of the composed config per the planner; 'does not fit' is a warning. HARDWARE: the preset's
+    (an off-policy mode is planned with its separate rollout pool, :func:`planner_inputs`)."""
     if cpu:
         return [Finding("info", "planner", "skipped: CPU run (the planner models GPU memory)")]
     if options_extra is False:
@@ -379,7 +389,7 @@ def planner_check(model: Any, cfg, s: Sizes, gpu: str, options_extra: dict, *, c
     from dsv3_rl.planner import check_layout
 
     try:
-        cluster, grpo, opts, rollout = planner_inputs(cfg, s, gpu, options_extra)
+        cluster, grpo, opts, rollout = planner_inputs(cfg, s, gpu, options_extra, hardware)
         fits, report = check_layout(model, cluster, grpo, s.layout, opts, rollout=rollout)
     except Exception as e:  # noqa: BLE001  (the planner is advisory)
         return [Finding("warning", "planner", f"the planner could not evaluate this layout: {type(e).__name__}: {e}")]
@@ -394,6 +404,37 @@ def planner_check(model: Any, cfg, s: Sizes, gpu: str, options_extra: dict, *, c
         return [Finding("info", "planner", f"fits ({peak})" if peak else "fits")]
     bad = [ln.strip() for ln in lines if ln.lstrip().startswith("[") or "DOES NOT FIT" in ln or "budget" in ln]
     return [Finding("warning", "planner", "DOES NOT FIT per dsv3_rl.planner: " + " | ".join(bad[:4] or lines[:4]))]
+
+
+#: a modelled sync step shorter than this is not reported: the async model has no per-step fixed costs
+ASYNC_MIN_STEP_S = 1.0
+
+
+def async_estimate(preset, cfg, s: Sizes) -> list[Finding]:
+    """The planner's sync vs one-step-off step estimate (``dsv3-plan async``, :mod:`dsv3_rl.planner.async_overlap`)
+    for a GPU preset of 2 or more GPUs, with the batch, options and layout of the composed config: an off-policy
+    preset's own split against its sync baseline (the preset it extends), a sync preset against its best split
+    (nothing when its layout fits no smaller trainer pool). Info only: a model, registered before GPU runs
+    (docs/algorithms.md "What async buys")."""
+    if preset.is_cpu or preset.planner is False or preset.world < 2 or preset.trainer_mode == "fully_async":
+        return []
+    from dsv3_rl.planner.async_overlap import for_preset
+
+    try:
+        _, grpo, opts, _ = planner_inputs(cfg, s, preset.hardware["gpu"], preset.planner, preset.hardware)
+        o = for_preset(preset.path, grpo=grpo, options=opts, layout=s.layout)
+    except Exception as e:  # noqa: BLE001  (the estimate is advisory; no split fitting is an answer too)
+        if not preset.off_policy:
+            return []
+        return [Finding("info", "async", f"no sync vs one-step-off estimate: {type(e).__name__}: {e}")]
+    if preset.off_policy and o.chosen is None:
+        return [Finding("info", "async", f"the preset's split fits no trainer pool in the model; its best split: "
+                                         f"{o.split_text(o.best)}")]
+    if o.sync_step_s < ASYNC_MIN_STEP_S:
+        return [Finding("info", "async", f"no sync vs one-step-off estimate: the model's sync step is {o.sync_step_s:.2f} s, "
+                                         f"below the per-step costs it leaves out (Ray calls, vLLM requests, the weight "
+                                         f"sync's transport; tiny_1xH100 measured 3.3-4.2 s a steady step on an H100)")]
+    return [Finding("info", "async", f"dsv3-plan async (model): {o.line()}")]
 
 
 def host_memory_check(launch, mem_total: float | None, threshold: float, *, dry_run: bool) -> list[Finding]:
@@ -411,7 +452,7 @@ def host_memory_check(launch, mem_total: float | None, threshold: float, *, dry_
 
     try:
         cluster, grpo, opts, rollout = planner_inputs(launch.cfg, launch.sizes, launch.preset.hardware["gpu"],
-                                                      launch.preset.planner)
+                                                      launch.preset.planner, launch.preset.hardware)
         hm = evaluate(launch.model_cfg, cluster, grpo, launch.sizes.layout, opts, rollout=rollout).host_memory
     except Exception as e:  # noqa: BLE001  (advisory where the planner cannot evaluate; planner_check says why)
         return [Finding("warning", "host_memory", f"the planner could not estimate host memory: {type(e).__name__}: {e}")]

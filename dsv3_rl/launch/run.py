@@ -428,5 +428,7 @@ def resolve(preset_name: str, user_overrides: list[str] | None = None, environ: 
     model_exists = (paths.hf / "config.json").is_file()
     with _environ(launch.env):  # verl reads some settings (VERL_PLATFORM, ...) from the environment
         f += [checks.Finding("error", "verl", m) for m in validate_like_main_ppo(cfg, model_exists=model_exists)]
-    f += checks.planner_check(model_cfg, cfg, s, preset.hardware["gpu"], preset.planner, cpu=preset.is_cpu)
+    f += checks.planner_check(model_cfg, cfg, s, preset.hardware["gpu"], preset.planner, cpu=preset.is_cpu,
+                              hardware=preset.hardware)
+    f += checks.async_estimate(preset, cfg, s)
     return launch

@@ -101,6 +101,8 @@ GSPO_CLIP_MAX = 0.01
 OFF_POLICY_CORRECTION = "tis"
 #: the checkpoint engine an off-policy mode gets on a CPU preset (verl patch 0035: files under /dev/shm, one host)
 CPU_CHECKPOINT_ENGINE = "shm"
+#: verl checkpoint engines whose trainer -> rollout sync carries the refit checksum manifest (dsv3_rl.refit.manifest)
+MANIFEST_ENGINES = {"nccl": "patch 0042", "shm": "patch 0035"}
 
 _Count = typing.Annotated[int, pydantic.Field(strict=True, ge=1)]
 

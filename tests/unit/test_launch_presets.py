@@ -16,7 +16,8 @@ from dsv3_rl.recipes.presets import LAYOUT_KEYS, PRESET_DIR, PresetError, list_p
 from dsv3_rl.layout import Layout
 from dsv3_rl.models import presets as model_presets
 
-EXPECTED = {"tiny_cpu", "tiny_cpu_gsm8k", "tiny_1xH100", "proxy_1xH100", "proxy_4xH100", "proxy_8xH100", "proxy_16xH20", "671b_96xH20", "671b_512xH100"}
+EXPECTED = {"tiny_cpu", "tiny_cpu_gsm8k", "tiny_1xH100", "proxy_1xH100", "proxy_4xH100", "proxy_8xH100", "proxy_16xH20", "671b_96xH20", "671b_512xH100",
+            "tiny_2xH100", "tiny_2xH100_one_step_off", "proxy_2xH100", "proxy_2xH100_one_step_off"}
 
 
 def test_every_preset_loads_and_names_model_and_hardware():
