@@ -24,7 +24,7 @@ The phase models (assumptions, first order; docs/algorithms.md "What async buys"
   when its KV cache holds them (else in waves); a decode step reads the engine's weights once
   (:func:`dsv3_rl.planner.refit.rollout_bytes_per_gpu`, experts over the engine with EP) plus the live KV cache
   of the sequences on that GPU (MLA: ``(kv_lora_rank + qk_rope_dim) x 2`` bytes per token per layer, sequences
-  spread over the engine's DP ranks), at ``HBM_EFFICIENCY`` of HBM bandwidth; a wave lasts
+  spread over the engine's DP ranks), at :data:`dsv3_rl.planner.comm.DECODE_HBM_EFFICIENCY` of HBM bandwidth; a wave lasts
   ``max_response_len`` steps (the longest response sets the tail) plus prefill at ``PREFILL_MFU``.
   Fewer rollout GPUs do not slow a decode step that is weight-read bound, so R(N) is sub-linear in 1/N: that is
   where the overlap gains.
@@ -47,13 +47,17 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from dsv3_rl.planner import comm
 from dsv3_rl.planner.spec import GPUS, Cluster, GRPOShape, Layout, Options
 
 #: NeMo-RL's published DeepSeek-V3 GRPO throughput on 512 H100 (tokens/s/GPU): on-policy vs one-step-off
-NEMO_RL = {"sync_tok_s_gpu": 7.24, "one_step_off_tok_s_gpu": 12.8, "gpus": 512,
-           "source": "NVIDIA NeMo-RL performance summary, DeepSeek-V3 GRPO 512xH100 (issue 27)"}
-#: achieved fraction of HBM bandwidth in a decode step
-HBM_EFFICIENCY = 0.6
+#: (BF16 rows). Their unit is ours: prompt + generated tokens of a step / step seconds / all GPUs
+#: (nemo_rl/algorithms/utils.py ``e2e_tokens_per_sec_per_gpu``), but their step is 32 prompts x 16 samples of <= 1536
+#: tokens (~0.41M tokens), 1/140 of 671b_512xH100's 57M: only the ratio of the two is comparable with the model's.
+NEMO_RL = {"sync_tok_s_gpu": 7.24, "one_step_off_tok_s_gpu": 12.8, "gpus": 512, "sync_step_s": 111.0,
+           "one_step_off_step_s": 64.1, "samples_per_step": 512, "max_seq_len": 1536,
+           "source": "NVIDIA NeMo-RL v0.6.0 docs/about/performance-summary.md, H100 BF16 table, DeepSeek V3 GRPO on 512 "
+                     "H100 (recipes examples/configs/recipes/llm/performance/grpo-deepseek-v3-64n8g*.yaml)"}
 #: model-FLOPs efficiency of prefill
 PREFILL_MFU = 0.3
 
@@ -155,7 +159,7 @@ def rollout_seconds(m, gpu: str, gpus: int, grpo: GRPOShape, tp: int, dp: int, e
     waves = math.ceil(per_rank / fit)
     live = min(per_rank, fit)
     mean_ctx = grpo.max_prompt_len + grpo.max_response_len * grpo.mean_length_fraction / 2
-    step = (weights + live * mean_ctx * kv_tok / tp) / (g.hbm_tbs * 1e12 * HBM_EFFICIENCY)
+    step = (weights + live * mean_ctx * kv_tok / tp) / (g.hbm_tbs * 1e12 * comm.DECODE_HBM_EFFICIENCY)
     flops_per_token = 2.0 * count_params(m).activated
     prefill = seqs * grpo.max_prompt_len * flops_per_token / (gpus * g.bf16_tflops * 1e12 * PREFILL_MFU)
     return waves * grpo.max_response_len * step + prefill

@@ -162,12 +162,24 @@ def estimate_train_seconds(m, lay, grpo, opt, cluster, world: int, bubble: float
                 total=compute + a2a + tp + grad + offload)
 
 
+#: achieved fraction of HBM bandwidth of a vLLM decode step (weights + KV cache read once per step), measured on
+#: ``proxy_1xH100`` (1x H100, vLLM 0.24 TP1, 128 sequences at once, BF16; docs/results/2026-12-08-gpu-proxy1, step 3):
+#: ``timing_s/gen`` 5.449 s for responses of mean 1019 / max 1024 tokens after prompts of mean 94 tokens; less the
+#: modelled prefill (0.22 s) that is 5.23 s of decode where reading 8.0 GiB of weights + the KV cache at the full
+#: 3.35 TB/s takes 2.70 s: 0.517. The model read the full bandwidth before (its 5.21 s prediction for that run matched
+#: only because it counted 1024-token prompts: a prefill 10x too long made up for a decode 1.9x too fast). One
+#: measurement: it cannot tell a bandwidth shortfall from a fixed cost per step (vLLM's scheduler, sampling); read as
+#: the latter (2.5 ms a step) a 671B decode step would be faster than this efficiency says (docs/planner.md, "NeMo-RL's
+#: DeepSeek-V3 workload, predicted"). The one decode efficiency of the planner (the async model's too).
+DECODE_HBM_EFFICIENCY = 0.52
+
+
 def estimate_rollout_seconds(m, ro, rm, grpo, opt, cluster) -> dict:
     """Decode-bound estimate. Per decode step a GPU reads its weights and its DP rank's KV cache
-    from HBM (MLA's latent cache is replicated on every TP rank, so TP does not shrink that
-    read), runs two TP all-reduces per layer and, with EP, two all-to-alls per MoE layer
-    (latency-bound at decode batch sizes). The batch is what the KV cache and vLLM's
-    max_num_seqs (1024 per DP rank) allow; more sequences than that run in waves."""
+    from HBM at :data:`DECODE_HBM_EFFICIENCY` of its bandwidth (MLA's latent cache is replicated on
+    every TP rank, so TP does not shrink that read), runs two TP all-reduces per layer and, with EP,
+    two all-to-alls per MoE layer (latency-bound at decode batch sizes). The batch is what the KV
+    cache and vLLM's max_num_seqs (1024 per DP rank) allow; more sequences than that run in waves."""
     from dsv3_rl.planner.model import count_params
 
     gpu = cluster.gpu_type
@@ -180,7 +192,7 @@ def estimate_rollout_seconds(m, ro, rm, grpo, opt, cluster) -> dict:
     per_rank = batch / ro.dp
     ctx_mean = grpo.max_prompt_len + grpo.max_response_len * grpo.mean_length_fraction / 2
     kv_read = per_rank * ctx_mean * rm.kv_bytes_per_token
-    hbm = (rm.weights + kv_read) / (gpu.hbm_tbs * 1e12)
+    hbm = (rm.weights + kv_read) / (gpu.hbm_tbs * 1e12 * DECODE_HBM_EFFICIENCY)
     act = count_params(m).activated
     compute = 2 * act * per_rank / ro.tp / (gpu.bf16_tflops * 1e12 * 0.5)
     gpn = cluster.gpus_per_node
