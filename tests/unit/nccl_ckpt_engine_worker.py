@@ -19,7 +19,7 @@ in place of ``ray.get``); the engines live across the syncs, as verl's do.
 
 argv: SCENARIO..., one sync each, in order: ``clean``; ``flip`` (one byte of the sender's second bucket flipped
 just before its broadcast: a bucket corrupted on the way); ``flip_off`` (the same with ``DSV3_REFIT_MANIFEST=0`` on
-both ranks). Each rank prints one JSON line: the reference's tensor names and, per scenario, what it saw.
+both ranks). Each rank writes one JSON file, $NCCL_CKPT_TEST_OUT/rank<r>.json: the reference's tensor names and, per scenario, what it saw.
 """
 
 from __future__ import annotations
@@ -157,7 +157,11 @@ def main() -> None:
         res["seconds"] = round(time.monotonic() - t0, 3)
         out[scenario] = res
     dist.barrier()
-    print(json.dumps(out), flush=True)
+    # one file per rank (the two ranks' stdout share one pipe: a line of each can arrive joined)
+    path = os.path.join(os.environ["NCCL_CKPT_TEST_OUT"], f"rank{dist.get_rank()}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(out, f)
+    os.replace(path + ".tmp", path)
     dist.destroy_process_group()
 
 

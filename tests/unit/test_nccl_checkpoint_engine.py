@@ -16,8 +16,10 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import verl  # noqa: F401 - imported, not skipped: a missing or broken backend FAILS (`make setup` installs it)
@@ -33,13 +35,16 @@ SCENARIOS = ("clean", "flip", "flip_off")
 def _run() -> dict[int, dict]:
     """Each rank's JSON (rank 0: the actor / sender, 1: the rollout / receiver), one launch for all three syncs."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT", "LOCAL_RANK")}
-    env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", TORCHDYNAMO_DISABLE="1")
+    out = Path(tempfile.mkdtemp(prefix="nccl-ckpt-"))
+    env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", TORCHDYNAMO_DISABLE="1", NCCL_CKPT_TEST_OUT=str(out))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
            str(WORKER), *SCENARIOS]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
-    res = {d["rank"]: d for d in (json.loads(x) for x in r.stdout.splitlines() if x.startswith("{"))}
-    assert sorted(res) == [0, 1], f"not one JSON line per rank:\n{(r.stdout + r.stderr)[-3000:]}"
+    files = sorted(out.glob("rank*.json"))
+    assert [f.name for f in files] == ["rank0.json", "rank1.json"], f"not one JSON file per rank:\n{(r.stdout + r.stderr)[-3000:]}"
+    res = {d["rank"]: d for d in (json.loads(f.read_text()) for f in files)}
+    shutil.rmtree(out)
     return res
 
 
