@@ -334,6 +334,15 @@ def trainer_spec() -> str:
     return "transformer_engine" if _use_transformer_engine() else "local"
 
 
+def rollout_pool(cfg) -> tuple[int, int] | None:
+    """verl's standalone rollout pool of the composed config, (``rollout.nnodes``, ``rollout.n_gpus_per_node``): set
+    by the off-policy trainer modes, with ``hybrid_engine`` false; None for a colocated run."""
+    rn, rg = select(cfg, "rollout.nnodes"), select(cfg, "rollout.n_gpus_per_node")
+    if rn and rg and not select(cfg, "actor_rollout_ref.hybrid_engine", True):
+        return int(rn), int(rg)
+    return None
+
+
 def planner_inputs(cfg, s: Sizes, gpu: str, options_extra: dict, hardware: dict | None = None) -> tuple:
     """The planner's (Cluster, GRPOShape, Options, RolloutLayout) for the composed config. With the preset's
     HARDWARE, an off-policy trainer mode (``hybrid_engine`` false, verl's ``rollout.nnodes`` x ``n_gpus_per_node``)
@@ -367,10 +376,10 @@ def planner_inputs(cfg, s: Sizes, gpu: str, options_extra: dict, hardware: dict 
 
     opts.update(planner_options(otc))
     cluster, ro_gpus = Cluster(gpu=gpu, gpus_per_node=s.gpus_per_node, nodes=s.nnodes), s.world
-    rn, rg = g("rollout.nnodes"), g("rollout.n_gpus_per_node")  # keys of verl's off-policy configs only
-    if hardware and rn and rg and not g("actor_rollout_ref.hybrid_engine", True):
+    pool = rollout_pool(cfg)
+    if hardware and pool:
         cluster = Cluster(gpu=gpu, gpus_per_node=int(hardware["gpus_per_node"]), nodes=int(hardware["nodes"]))
-        ro_gpus = int(rn) * int(rg)
+        ro_gpus = pool[0] * pool[1]
         opts.update(placement="separate", rollout_gpus=ro_gpus)
     opts.update(options_extra or {})
     rollout = RolloutLayout(tp=s.rollout_tp, dp=s.rollout_dp, ep=s.rollout_ep, gpus=ro_gpus,

@@ -79,8 +79,9 @@ def _force_stages(launch, names: list[str]) -> None:
         by_name[n].force()
 
 
-def _pools_text(launch, s, separate: bool, rn, rg) -> str:
-    """Where verl puts trainer and rollout, and how the weights reach the rollout (the refit manifest's coverage)."""
+def _pools_text(launch, s, pool: tuple[int, int] | None) -> str:
+    """Where verl puts trainer and rollout (POOL: its standalone rollout pool, :func:`dsv3_rl.launch.checks.
+    rollout_pool`), and how the weights reach the rollout (the refit manifest's coverage)."""
     from dsv3_rl.launch.verl_config import select
     from dsv3_rl.recipes.algorithms import MANIFEST_ENGINES
     from dsv3_rl.refit import manifest
@@ -91,7 +92,7 @@ def _pools_text(launch, s, separate: bool, rn, rg) -> str:
     except Exception as e:  # noqa: BLE001  (an unknown DSV3_REFIT_MANIFEST word: the run refuses it, say so here)
         on = None
         state = f"refit manifest: {e}"
-    if not separate:
+    if pool is None:
         if on is not None:
             state = f"refit manifest {'on' if on else 'off (DSV3_REFIT_MANIFEST)'} (patch 0031)"
         return (f"colocated (hybrid engine): trainer and rollout share {s.nnodes} x {s.gpus_per_node} {unit}; weights -> "
@@ -101,7 +102,7 @@ def _pools_text(launch, s, separate: bool, rn, rg) -> str:
         patch = MANIFEST_ENGINES.get(str(be))
         state = (f"refit manifest {'on' if on else 'off (DSV3_REFIT_MANIFEST)'} ({patch})" if patch else
                  f"no refit manifest (carried by {', '.join(f'{k} ({v})' for k, v in MANIFEST_ENGINES.items())})")
-    return (f"separate: trainer_pool {s.nnodes} x {s.gpus_per_node} {unit} | rollout {rn} x {rg} {unit} (verl's standalone "
+    return (f"separate: trainer_pool {s.nnodes} x {s.gpus_per_node} {unit} | rollout {pool[0]} x {pool[1]} {unit} (verl's standalone "
             f"rollout pool); weights trainer -> rollout: checkpoint engine {be}, {state}")
 
 
@@ -134,12 +135,13 @@ def _print_launch(launch, *, out=None, full: bool = True) -> None:
         pr(f"trainer    megatron {s.short()} recompute={rc} dtype={dtype}")
         util = select(launch.cfg, "actor_rollout_ref.rollout.gpu_memory_utilization")
         inst = s.rollout_tp * s.rollout_dp * s.rollout_pp
-        rn, rg = select(launch.cfg, "rollout.nnodes"), select(launch.cfg, "rollout.n_gpus_per_node")  # off-policy only
-        separate = bool(rn and rg) and not select(launch.cfg, "actor_rollout_ref.hybrid_engine", True)
-        ro_world = rn * rg if separate else s.world
+        from dsv3_rl.launch.checks import rollout_pool
+
+        pool = rollout_pool(launch.cfg)
+        ro_world = pool[0] * pool[1] if pool else s.world
         pr(f"rollout    {select(launch.cfg, 'actor_rollout_ref.rollout.name')} {s.rollout_short()} "
            f"({ro_world // inst if inst and ro_world % inst == 0 else '?'} engine(s)), gpu_memory_utilization={util}")
-        pr(f"pools      {_pools_text(launch, s, separate, rn, rg)}")
+        pr(f"pools      {_pools_text(launch, s, pool)}")
     pr("paths")
     for k, v in launch.paths.items():
         pr(f"  {k:<11} {v}{'' if Path(v).exists() else '  (not there yet)'}")

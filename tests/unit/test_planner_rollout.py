@@ -7,11 +7,11 @@ of the measurement, outside the 1.5x the whole step is held to."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
+from dsv3_rl.grpo.metrics import read_metrics
 from dsv3_rl.planner import async_overlap, comm
 from dsv3_rl.planner.model import load_model
 from dsv3_rl.planner.search import evaluate
@@ -22,10 +22,7 @@ STEP = 3  # step 2 (8.52 s for the same shape) is not explained yet (README ther
 
 
 def _measured_step():
-    rows = [json.loads(line) for line in RUN.read_text().splitlines() if line.strip()]
-    d = rows[STEP - 1]
-    d = d.get("data", d)
-    return d
+    return next(r for r in read_metrics(RUN) if r["step"] == STEP)
 
 
 def _predict(d) -> dict:
