@@ -102,7 +102,14 @@ wait_for() {  # wait_for MODE SECONDS
 read -r -d '' RUN_SH <<'SH'
 d=$1 after=$2 gpus=$3; shift 3
 if [ -n "$after" ]; then
-  while [ ! -f "$after/rc" ]; do sleep 5; done
+  waited=0  # bounded: a run killed before it wrote its rc must not leave this one queued for ever
+  while [ ! -f "$after/rc" ]; do
+    if [ "$waited" -ge "${AFTER_WAIT_S:-7200}" ]; then
+      echo "[gpu_grpo] $(basename "$after") wrote no exit code in ${AFTER_WAIT_S:-7200} s: not started"; rm -f "$d/queued"
+      echo 124 > "$d/rc"; exit 0
+    fi
+    sleep 5; waited=$((waited + 5))
+  done
   for _ in $(seq 60); do  # the run before has exited; its CUDA contexts may take a moment to go (2 minutes at most)
     busy=$(nvidia-smi -i "$gpus" --query-gpu=memory.used --format=csv,noheader,nounits | awk '$1 > 1024' | wc -l)
     [ "$busy" = 0 ] && break; sleep 2
